@@ -1,0 +1,249 @@
+"""Typed configuration: dataclasses registered in Hydra's ConfigStore, plus validation.
+
+Hydra already rejects unknown keys and wrongly typed values because every group merges
+into one of these dataclasses. `validate` adds the checks types cannot express (allowed
+names, ranges, divisibility) and raises ConfigError with the key, the bad value and what
+would be accepted. train.py turns both kinds of failure into exit code 2, before any
+process group exists.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING, DictConfig, OmegaConf
+
+
+class ConfigError(ValueError):
+    """A configuration value that cannot work; the message names the key and the fix."""
+
+
+@dataclass
+class ModelConfig:
+    name: str = MISSING  # label used in logs, e.g. gpt_tiny
+    kind: str = "gpt"  # gpt | mlp
+    vocab_size: int = 256
+    block_size: int = 64
+    # gpt
+    n_layer: int = 2
+    n_head: int = 2
+    n_embd: int = 64
+    bias: bool = True
+    dropout: float = 0.0
+    # mlp: embedding -> `mlp_depth` hidden layers of width `mlp_hidden` -> logits
+    mlp_hidden: int = 128
+    mlp_depth: int = 2
+
+
+@dataclass
+class DataConfig:
+    kind: str = "text"  # text | synthetic
+    # Token file from `python -m zerolab data prepare`. Empty: the embedded corpus (the running
+    # interpreter's standard-library sources), prepared once into `cache_dir`.
+    path: str = ""
+    cache_dir: str = "${oc.env:ZEROLAB_CACHE,${oc.env:HOME}/.cache/zerolab}"
+    val_fraction: float = 0.05
+    micro_batch: int = 8  # sequences per rank per micro-batch
+    # 0: derived as micro_batch * grad_accum_steps * world_size. Set it to fix the global batch
+    # and let zerolab derive grad_accum_steps (must divide exactly).
+    global_batch: int = 0
+
+
+@dataclass
+class StrategyConfig:
+    name: str = MISSING  # a key of zerolab.strategies.REGISTRY
+    bucket_mb: float = 25.0  # DDP bucket cap / ZeRO reduce-scatter and all-gather bucket size
+    find_unused_parameters: bool = False  # ddp: parameters that may get no gradient
+    stage: int = 0  # deepspeed ZeRO stage
+    overlap_comm: bool = True
+    client_optimizer: bool = False  # deepspeed: allow zerolab's LAMB/LARS as a client optimizer
+    ds_config_overrides: Dict[str, Any] = field(default_factory=dict)
+    reduce_dtype: str = "auto"  # auto (= gradient dtype) | fp32
+
+
+@dataclass
+class OptimConfig:
+    name: str = MISSING  # adamw | adam | sgd | sgd_momentum | lamb | lars
+    lr: float = 1e-3  # peak lr at base_batch (scaled by lr_scaling for the actual batch)
+    betas: List[float] = field(default_factory=lambda: [0.9, 0.95])
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    momentum: float = 0.9
+    trust_coefficient: float = 0.001
+    max_trust_ratio: Optional[float] = None
+    grad_clip: float = 1.0  # global-norm clip; 0 disables
+    impl: str = "auto"  # zerolab optimizer kernel: auto | foreach | for_loop
+    lr_scaling: str = "none"  # none | linear | sqrt
+    base_batch: int = 0  # batch at which `lr` was tuned (0: the run's own global batch)
+    warmup_steps: int = 10
+    decay: str = "cosine"  # cosine | linear | constant
+    min_lr_ratio: float = 0.1
+
+
+@dataclass
+class PrecisionConfig:
+    name: str = MISSING  # fp32 | bf16 | fp16 | bf16_pure
+    initial_scale: float = 65536.0  # fp16 dynamic loss scaling
+    growth_interval: int = 1000
+    min_scale: float = 1.0
+
+
+@dataclass
+class TrainerConfig:
+    max_steps: int = 100
+    grad_accum_steps: int = 1
+    seed: int = 1337
+    eval_every: int = 50  # 0: only at the end
+    eval_batches: int = 4
+    log_every: int = 1
+    nonfinite: str = "stop"  # stop | skip
+
+
+@dataclass
+class WandbConfig:
+    mode: str = "auto"  # auto (online with WANDB_API_KEY, else offline) | online | offline | disabled
+    project: str = "zerolab"
+    entity: str = ""
+
+
+@dataclass
+class LoggingConfig:
+    progress: bool = True
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+
+
+@dataclass
+class DistConfig:
+    backend: str = "auto"  # auto (nccl on CUDA, gloo on CPU) | nccl | gloo
+    device: str = "auto"  # auto | cpu | cuda
+    timeout_s: float = 300.0  # a collective waiting longer than this ends the job
+
+
+@dataclass
+class RunConfig:
+    dir: str = ""  # empty: rank 0 creates <root>/<experiment>/<time>-<strategy> and shares it
+    root: str = "runs"
+    save_model: bool = True
+
+
+@dataclass
+class Config:
+    model: ModelConfig = MISSING
+    data: DataConfig = MISSING
+    strategy: StrategyConfig = MISSING
+    optim: OptimConfig = MISSING
+    precision: PrecisionConfig = MISSING
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    dist: DistConfig = field(default_factory=DistConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+    experiment: str = "default"
+
+
+def register_configs() -> None:
+    ConfigStore.instance().store(name="zerolab_schema", node=Config)
+
+
+register_configs()
+
+MODEL_KINDS = ("gpt", "mlp")
+DATA_KINDS = ("text", "synthetic")
+OPTIMIZERS = ("adamw", "adam", "sgd", "sgd_momentum", "lamb", "lars")
+PRECISIONS = ("fp32", "bf16", "fp16", "bf16_pure")
+LR_SCALING = ("none", "linear", "sqrt")
+DECAYS = ("cosine", "linear", "constant")
+WANDB_MODES = ("auto", "online", "offline", "disabled")
+
+
+def _choice(key: str, value: Any, allowed) -> None:
+    if value not in allowed:
+        raise ConfigError(f"{key}={value!r} is not valid; allowed values: {', '.join(map(str, allowed))}")
+
+
+def _positive(key: str, value, allow_zero: bool = False) -> None:
+    if value < 0 or (value == 0 and not allow_zero):
+        raise ConfigError(f"{key}={value!r} must be {'>= 0' if allow_zero else '> 0'}")
+
+
+def world_size_from_env() -> int:
+    for var in ("WORLD_SIZE", "SLURM_NTASKS"):
+        if os.environ.get(var):
+            return int(os.environ[var])
+    return 1
+
+
+def validate(cfg: DictConfig | Config, world_size: Optional[int] = None) -> Config:
+    """Turn a composed config into a checked `Config` object, or raise ConfigError."""
+    from zerolab.strategies import REGISTRY  # lazy: keeps import of config cheap
+
+    if isinstance(cfg, DictConfig):
+        cfg = OmegaConf.to_object(cfg)
+    world = world_size if world_size is not None else world_size_from_env()
+    m, d, s, o, p, t = cfg.model, cfg.data, cfg.strategy, cfg.optim, cfg.precision, cfg.trainer
+    _choice("model.kind", m.kind, MODEL_KINDS)
+    for key in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "mlp_hidden", "mlp_depth"):
+        _positive(f"model.{key}", getattr(m, key))
+    if m.kind == "gpt" and m.n_embd % m.n_head:
+        raise ConfigError(f"model.n_embd={m.n_embd} must be divisible by model.n_head={m.n_head}")
+    if not 0.0 <= m.dropout < 1.0:
+        raise ConfigError(f"model.dropout={m.dropout} must be in [0, 1)")
+    _choice("data.kind", d.kind, DATA_KINDS)
+    if d.kind == "text" and m.vocab_size < 256:
+        raise ConfigError(f"model.vocab_size={m.vocab_size} is too small for byte-level text data; use >= 256")
+    _positive("data.micro_batch", d.micro_batch)
+    if not 0.0 < d.val_fraction < 0.5:
+        raise ConfigError(f"data.val_fraction={d.val_fraction} must be in (0, 0.5)")
+    _choice("strategy.name", s.name, sorted(REGISTRY))
+    _positive("strategy.bucket_mb", s.bucket_mb)
+    _choice("strategy.reduce_dtype", s.reduce_dtype, ("auto", "fp32"))
+    _choice("optim.name", o.name, OPTIMIZERS)
+    _choice("optim.lr_scaling", o.lr_scaling, LR_SCALING)
+    _choice("optim.decay", o.decay, DECAYS)
+    _choice("optim.impl", o.impl, ("auto", "foreach", "for_loop"))
+    _positive("optim.lr", o.lr)
+    _positive("optim.grad_clip", o.grad_clip, allow_zero=True)
+    _positive("optim.warmup_steps", o.warmup_steps, allow_zero=True)
+    if len(o.betas) != 2 or not all(0.0 <= b < 1.0 for b in o.betas):
+        raise ConfigError(f"optim.betas={list(o.betas)} must be two numbers in [0, 1)")
+    _choice("precision.name", p.name, PRECISIONS)
+    _positive("trainer.max_steps", t.max_steps)
+    _positive("trainer.grad_accum_steps", t.grad_accum_steps)
+    _positive("trainer.log_every", t.log_every)
+    _positive("trainer.eval_every", t.eval_every, allow_zero=True)
+    _positive("trainer.eval_batches", t.eval_batches)
+    _choice("trainer.nonfinite", t.nonfinite, ("stop", "skip"))
+    _choice("logging.wandb.mode", cfg.logging.wandb.mode, WANDB_MODES)
+    _choice("dist.backend", cfg.dist.backend, ("auto", "nccl", "gloo"))
+    _choice("dist.device", cfg.dist.device, ("auto", "cpu", "cuda"))
+    _positive("dist.timeout_s", cfg.dist.timeout_s)
+    if d.global_batch:
+        per_step = d.micro_batch * world
+        if d.global_batch % per_step:
+            raise ConfigError(
+                f"data.global_batch={d.global_batch} is not divisible by data.micro_batch × world size "
+                f"= {d.micro_batch} × {world} = {per_step}; pick a multiple of {per_step} "
+                f"(e.g. {per_step * max(1, d.global_batch // per_step)}) or change data.micro_batch")
+        t.grad_accum_steps = d.global_batch // per_step
+    return cfg
+
+
+def global_batch(cfg: Config, world_size: int) -> int:
+    return cfg.data.micro_batch * cfg.trainer.grad_accum_steps * world_size
+
+
+def compose(overrides: List[str] = (), config_dir: Optional[str] = None) -> Config:
+    """Compose and validate a config outside @hydra.main (tests, benchmarks, CLI tools)."""
+    from hydra import compose as hydra_compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    config_dir = config_dir or os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf")
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=config_dir, version_base="1.3"):
+        dcfg = hydra_compose(config_name="config", overrides=list(overrides))
+    return validate(dcfg)
+
+
+def to_dict(cfg: Config) -> dict:
+    return OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)

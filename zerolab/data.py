@@ -1,0 +1,182 @@
+"""Token data and a deterministic, rank-sharded, resumable sampler.
+
+A token file is a flat array of uint16 tokens (nanoGPT's format), memory-mapped. Text is
+tokenized byte-level (token = byte value, vocab 256), so no tokenizer download is needed. The
+embedded corpus is the running interpreter's own standard-library sources: real text that every
+machine with Python has.
+
+Sampling: the training split is cut into fixed windows of block_size+1 tokens. Each epoch is a
+seeded permutation of the windows; sample g of the run (counting all ranks) is window
+perm_{g // n}[g % n]. Step s uses samples [s·B, (s+1)·B) with B the global batch; rank r takes
+the contiguous slice r of it, and micro-batch m a slice of that. Everything is a pure function of
+(seed, step, rank, world size), so any step can be resumed exactly and a global batch is the
+same set of windows whatever the world size.
+"""
+from __future__ import annotations
+
+import glob
+import os
+import sysconfig
+from dataclasses import dataclass
+from typing import Iterable, Optional
+
+import numpy as np
+import torch
+
+from zerolab.config import DataConfig
+
+TOKEN_DTYPE = np.uint16
+EMBEDDED_NAME = "stdlib-py{}.{}-bytes.bin"
+EMBEDDED_MAX_BYTES = 8 * 2**20  # plenty for CPU runs, small enough to prepare in about a second
+
+
+def stdlib_sources() -> list[str]:
+    root = sysconfig.get_paths()["stdlib"]
+    files = sorted(glob.glob(os.path.join(root, "*.py")) + glob.glob(os.path.join(root, "*", "*.py")))
+    return [f for f in files if "site-packages" not in f and "test" not in os.path.relpath(f, root).split(os.sep)[0]]
+
+
+def prepare(sources: Iterable[str], out: str, max_bytes: Optional[int] = None) -> int:
+    """Byte-tokenize `sources` (files or directories of *.py/*.txt/*.md) into `out`; returns tokens."""
+    files: list[str] = []
+    for src in sources:
+        if os.path.isdir(src):
+            for ext in ("py", "txt", "md", "rst"):
+                files += sorted(glob.glob(os.path.join(src, "**", f"*.{ext}"), recursive=True))
+        elif os.path.isfile(src):
+            files.append(src)
+        else:
+            raise FileNotFoundError(f"data source {src!r} does not exist")
+    if not files:
+        raise ValueError(f"no text files found in {list(sources)}")
+    chunks, total = [], 0
+    for f in files:
+        with open(f, "rb") as fh:
+            b = fh.read()
+        if max_bytes is not None and total + len(b) > max_bytes:
+            b = b[: max_bytes - total]
+        chunks.append(b)
+        total += len(b)
+        if max_bytes is not None and total >= max_bytes:
+            break
+    tokens = np.frombuffer(b"".join(chunks), dtype=np.uint8).astype(TOKEN_DTYPE)
+    os.makedirs(os.path.dirname(os.path.abspath(out)) or ".", exist_ok=True)
+    tmp = f"{out}.tmp.{os.getpid()}"
+    tokens.tofile(tmp)
+    os.replace(tmp, out)  # atomic: concurrent ranks never see a half-written file
+    return len(tokens)
+
+
+def embedded_corpus(cache_dir: str) -> str:
+    import sys
+
+    path = os.path.join(os.path.expanduser(cache_dir), EMBEDDED_NAME.format(*sys.version_info[:2]))
+    if not os.path.exists(path):
+        prepare(stdlib_sources(), path, max_bytes=EMBEDDED_MAX_BYTES)
+    return path
+
+
+@dataclass(frozen=True)
+class Batch:
+    x: torch.Tensor
+    y: torch.Tensor
+
+
+class WindowSampler:
+    """Maps (step, rank, micro-batch) to window indices; pure, so resuming is exact."""
+
+    def __init__(self, n_windows: int, seed: int, micro_batch: int, grad_accum: int, world_size: int):
+        if n_windows <= 0:
+            raise ValueError("the data split has no complete window; use more data or a smaller block_size")
+        self.n, self.seed = n_windows, seed
+        self.micro_batch, self.grad_accum, self.world_size = micro_batch, grad_accum, world_size
+        self.global_batch = micro_batch * grad_accum * world_size
+        self._perm_cache: dict[int, torch.Tensor] = {}
+
+    def _perm(self, epoch: int) -> torch.Tensor:
+        if epoch not in self._perm_cache:
+            g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+            self._perm_cache = {epoch: torch.randperm(self.n, generator=g)}  # keep one epoch
+        return self._perm_cache[epoch]
+
+    def sample_ids(self, step: int, rank: int, micro: int) -> list[int]:
+        """Global sample numbers of one micro-batch (g in [step·B, (step+1)·B))."""
+        per_rank = self.micro_batch * self.grad_accum
+        start = step * self.global_batch + rank * per_rank + micro * self.micro_batch
+        return list(range(start, start + self.micro_batch))
+
+    def windows(self, step: int, rank: int, micro: int) -> list[int]:
+        return [int(self._perm(g // self.n)[g % self.n]) for g in self.sample_ids(step, rank, micro)]
+
+
+class TokenData:
+    """Train/val splits of a token file, with the sampler and eval batches."""
+
+    def __init__(self, path: str, block_size: int, val_fraction: float):
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"token file {path!r} does not exist; create it with "
+                                    f"`python -m zerolab data prepare --src DIR_OR_FILES --out {path}`")
+        size = os.path.getsize(path)
+        if size % np.dtype(TOKEN_DTYPE).itemsize:
+            raise ValueError(f"token file {path!r} has {size} bytes, not a whole number of uint16 tokens; "
+                             "it is truncated or not a zerolab token file — prepare it again")
+        self.tokens = np.memmap(path, dtype=TOKEN_DTYPE, mode="r")
+        self.block_size = block_size
+        n_val = int(len(self.tokens) * val_fraction)
+        self.train_end = len(self.tokens) - n_val
+        self.window = block_size + 1
+
+    def n_windows(self, split: str) -> int:
+        length = self.train_end if split == "train" else len(self.tokens) - self.train_end
+        return length // self.window
+
+    def _gather(self, split: str, windows: list[int], device: torch.device) -> Batch:
+        base = 0 if split == "train" else self.train_end
+        rows = np.stack([self.tokens[base + w * self.window: base + (w + 1) * self.window] for w in windows])
+        t = torch.from_numpy(rows.astype(np.int64))
+        return Batch(t[:, :-1].to(device), t[:, 1:].to(device))
+
+    def train_batch(self, sampler: WindowSampler, step: int, rank: int, micro: int, device) -> Batch:
+        return self._gather("train", sampler.windows(step, rank, micro), device)
+
+    def val_batch(self, index: int, rank: int, world: int, micro_batch: int, device) -> Batch:
+        """Fixed eval batches: the same windows every evaluation, disjoint across ranks."""
+        n = self.n_windows("val")
+        start = (index * world + rank) * micro_batch
+        return self._gather("val", [(start + i) % n for i in range(micro_batch)], device)
+
+
+def _mix(*parts: int) -> int:
+    """A seed from integers that is the same in every process (unlike hash() of a str)."""
+    key = 0
+    for p in parts:
+        key = (key * 1_000_003 + p) & 0x7FFFFFFFFFFF
+    return key
+
+
+class SyntheticData:
+    """Random tokens, a pure function of (seed, step, rank, micro); for benchmarks."""
+
+    def __init__(self, vocab_size: int, block_size: int, seed: int):
+        self.vocab_size, self.block_size, self.seed = vocab_size, block_size, seed
+
+    def _rand(self, key: int, micro_batch: int, device) -> Batch:
+        g = torch.Generator().manual_seed(key)
+        t = torch.randint(0, self.vocab_size, (micro_batch, self.block_size + 1), generator=g)
+        return Batch(t[:, :-1].to(device), t[:, 1:].to(device))
+
+    def train_batch(self, sampler: WindowSampler, step: int, rank: int, micro: int, device) -> Batch:
+        return self._rand(_mix(self.seed, step, rank, micro), sampler.micro_batch, device)
+
+    def val_batch(self, index: int, rank: int, world: int, micro_batch: int, device) -> Batch:
+        return self._rand(_mix(self.seed, -1 - index, rank, 0), micro_batch, device)
+
+
+def build_data(cfg: DataConfig, block_size: int, vocab_size: int, seed: int):
+    """Returns (dataset, number of training windows). Any rank may prepare the embedded corpus:
+    the write is atomic, so racing ranks produce the same file."""
+    if cfg.kind == "synthetic":
+        return SyntheticData(vocab_size, block_size, seed), 1 << 30
+    path = cfg.path or embedded_corpus(cfg.cache_dir)
+    data = TokenData(path, block_size, cfg.val_fraction)
+    return data, data.n_windows("train")

@@ -1,0 +1,106 @@
+"""Process-group setup from the launcher's environment.
+
+Supported launchers: torchrun (RANK/LOCAL_RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT), srun
+starting one task per rank without torchrun (SLURM_PROCID/SLURM_LOCALID/SLURM_NTASKS), and a
+plain `python train.py` (world size 1). The context is passed around explicitly; zerolab keeps
+no module-global process group of its own.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import subprocess
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from zerolab.config import DistConfig
+
+
+@dataclass
+class DistContext:
+    rank: int
+    local_rank: int
+    world_size: int
+    device: torch.device
+    backend: str
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def barrier(self) -> None:
+        dist.barrier()
+
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        box = [obj]
+        dist.broadcast_object_list(box, src=src)
+        return box[0]
+
+    def gather_objects(self, obj: Any) -> list:
+        out = [None] * self.world_size
+        dist.all_gather_object(out, obj)
+        return out
+
+    def all_reduce_mean(self, value: float) -> float:
+        t = torch.tensor([float(value)], dtype=torch.float64, device=self.device)
+        dist.all_reduce(t)
+        return t.item() / self.world_size
+
+    def synchronize(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+
+def _first_slurm_host() -> str:
+    nodelist = os.environ.get("SLURM_JOB_NODELIST") or os.environ.get("SLURM_NODELIST", "")
+    if not nodelist:
+        return "127.0.0.1"
+    try:
+        out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, check=True)
+        return out.stdout.split()[0]
+    except (OSError, subprocess.CalledProcessError, IndexError):
+        return nodelist.split(",")[0]
+
+
+def env_ranks() -> tuple[int, int, int]:
+    """(rank, local_rank, world_size) from torchrun's or Slurm's variables; (0, 0, 1) otherwise."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", 0)), int(os.environ["WORLD_SIZE"])
+    if "SLURM_PROCID" in os.environ and int(os.environ.get("SLURM_NTASKS", "1")) > 1:
+        # srun started every rank itself (no torchrun): translate for init_process_group's env://.
+        rank, world = int(os.environ["SLURM_PROCID"]), int(os.environ["SLURM_NTASKS"])
+        os.environ.setdefault("MASTER_ADDR", _first_slurm_host())
+        os.environ.setdefault("MASTER_PORT", str(20000 + int(os.environ.get("SLURM_JOB_ID", "0")) % 20000))
+        os.environ["RANK"], os.environ["WORLD_SIZE"] = str(rank), str(world)
+        os.environ["LOCAL_RANK"] = os.environ.get("SLURM_LOCALID", "0")
+        return rank, int(os.environ["LOCAL_RANK"]), world
+    return 0, 0, 1
+
+
+def init(cfg: DistConfig) -> DistContext:
+    rank, local_rank, world = env_ranks()
+    use_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
+    if use_cuda:
+        if not torch.cuda.is_available():
+            raise RuntimeError("dist.device=cuda but no CUDA device is visible; use dist.device=cpu or auto")
+        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+        device = torch.device("cuda", torch.cuda.current_device())
+    else:
+        device = torch.device("cpu")
+    backend = cfg.backend if cfg.backend != "auto" else ("nccl" if use_cuda else "gloo")
+    timeout = datetime.timedelta(seconds=cfg.timeout_s)
+    if "MASTER_ADDR" in os.environ:
+        dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout,
+                                device_id=device if backend == "nccl" else None)
+    else:
+        # Single process without a launcher: an in-memory store keeps every code path identical.
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    return DistContext(rank=rank, local_rank=local_rank, world_size=world, device=device, backend=backend)
+
+
+def shutdown(ctx: Optional[DistContext]) -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,51 @@
+"""Model construction by config; every model can be built on the `meta` device (no memory)."""
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from zerolab.config import ModelConfig
+from zerolab.models.gpt import GPT
+from zerolab.models.mlp import NextTokenMLP
+
+MODELS = {"gpt": GPT, "mlp": NextTokenMLP}
+
+
+def build_model(cfg: ModelConfig, device: torch.device | str = "cpu") -> nn.Module:
+    """Build on `device`; with device="meta" no parameter memory is allocated."""
+    with torch.device(device):
+        return MODELS[cfg.kind](cfg)
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross entropy, computed in fp32 whatever the compute dtype."""
+    return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1))
+
+
+def count_params(model: nn.Module) -> int:
+    """Unique parameters (tied weights counted once)."""
+    return sum(p.numel() for p in model.parameters())
+
+
+def no_decay(name: str, param: nn.Parameter) -> bool:
+    """Biases, norm weights and the position table get no weight decay (1-D or position)."""
+    return param.ndim < 2 or name.endswith("wpe.weight")
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """Two groups, each carrying parameter names so sharders can key state by name."""
+    decay, skip = {"params": [], "names": [], "weight_decay": weight_decay}, \
+        {"params": [], "names": [], "weight_decay": 0.0}
+    for name, p in model.named_parameters():  # named_parameters() yields a tied weight once
+        if not p.requires_grad:
+            continue
+        group = skip if no_decay(name, p) else decay
+        group["params"].append(p)
+        group["names"].append(name)
+    return [g for g in (decay, skip) if g["params"]]
+
+
+__all__: Iterable[str] = ["build_model", "lm_loss", "count_params", "param_groups", "MODELS"]

@@ -1,0 +1,16 @@
+"""Strategy registry: config name -> implementation, imported only when chosen (so a missing
+optional dependency such as DeepSpeed only matters to the runs that use it)."""
+from __future__ import annotations
+
+import importlib
+
+REGISTRY: dict[str, str] = {
+    "ddp": "zerolab.strategies.ddp:DDPStrategy",
+}
+
+
+def strategy_class(name: str):
+    if name not in REGISTRY:
+        raise KeyError(f"unknown strategy {name!r}; known strategies: {', '.join(sorted(REGISTRY))}")
+    module, cls = REGISTRY[name].split(":")
+    return getattr(importlib.import_module(module), cls)

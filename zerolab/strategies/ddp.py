@@ -1,0 +1,96 @@
+"""Plain data parallelism with torch's DistributedDataParallel: nothing is sharded.
+
+Gradients are all-reduced in buckets during backward. Gradients are views into DDP's buckets
+(gradient_as_bucket_view) so they are not stored twice. In bf16/fp16 the optimizer updates an
+fp32 master copy of every weight — the (2 + 2 + 12)Ψ bytes of the ZeRO paper's baseline.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn as nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.nn.parallel import DistributedDataParallel
+
+from zerolab.memory import StorageCounter
+from zerolab.precision import MasterCopy
+from zerolab.strategies.base import OptimizerFactory, StepInfo, Strategy
+
+
+def _counting_allreduce(state, bucket):
+    """DDP's own all-reduce hook, plus a record of the bucket's size for comm accounting."""
+    counter, group = state
+    counter.record("all_reduce", bucket.buffer())
+    return default_hooks.allreduce_hook(group, bucket)
+
+
+class DDPStrategy(Strategy):
+    name = "ddp"
+
+    def setup(self, model: nn.Module, param_groups: list[dict], make_optimizer: OptimizerFactory) -> nn.Module:
+        model.to(device=self.ctx.device, dtype=self.precision.compute_dtype)
+        self.model = model
+        self.params = [p for g in param_groups for p in g["params"]]
+        self.names = [n for g in param_groups for n in g["names"]]
+        s = self.cfg.strategy
+        # DDP broadcasts rank 0's weights here, so the master copy is taken after it.
+        self.ddp = DistributedDataParallel(
+            model, device_ids=[self.ctx.device.index] if self.ctx.device.type == "cuda" else None,
+            bucket_cap_mb=s.bucket_mb, gradient_as_bucket_view=True,
+            find_unused_parameters=s.find_unused_parameters)
+        self.ddp.register_comm_hook((self.comm, None), _counting_allreduce)
+        self.master = MasterCopy(self.params) if self.precision.master_weights else None
+        if self.master:
+            param_groups = [{**g, "params": [self.master.by_model[id(p)] for p in g["params"]]} for g in param_groups]
+        self.optimizer = make_optimizer(param_groups)
+        return self.ddp
+
+    def no_sync(self):
+        return self.ddp.no_sync()
+
+    def _optimizer_params(self) -> list[torch.Tensor]:
+        return self.master.master if self.master else self.params
+
+    def step(self, lr: float) -> StepInfo:
+        self.set_lr(lr)
+        if self.master:
+            self.master.grads_to_master()
+        grads = [p.grad for p in self._optimizer_params() if p.grad is not None]
+        info = self.unscale_clip_update(grads)
+        if self.master:
+            if not info.skipped:
+                self.master.master_to_model()
+            for m in self.master.master:
+                m.grad = None  # the fp32 grad copy is transient
+        # Zero in place (not set_to_none): the grads are views of DDP's buckets, which stay
+        # allocated anyway, so keeping the views makes the ledger see them.
+        for p in self.params:
+            if p.grad is not None:
+                p.grad.zero_()
+        return info
+
+    def describe_nonfinite(self) -> str:
+        for name, p in zip(self.names, self._optimizer_params()):
+            if p.grad is not None and not torch.isfinite(p.grad).all():
+                return f"first non-finite gradient: {name}"
+        return "no single gradient is non-finite; their norm overflowed"
+
+    def memory(self) -> dict[str, int]:
+        c = StorageCounter()
+        c.add("params", self.params).add("grads", (p.grad for p in self.params))
+        if self.master:
+            c.add("master", self.master.master)
+        c.add_optimizer(self.optimizer).add("buffers", self.model.buffers())
+        return c.result()
+
+    @torch.no_grad()
+    def consolidated_state_dict(self) -> Optional[dict[str, torch.Tensor]]:
+        if not self.ctx.is_main:
+            return None
+        master = {id(p): m for p, m in zip(self.params, self.master.master)} if self.master else {}
+        out = {}
+        for name, t in self.model.state_dict(keep_vars=True).items():
+            src = master.get(id(t), t)
+            out[name] = src.detach().float().cpu().clone()
+        return out
