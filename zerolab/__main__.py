@@ -19,7 +19,16 @@ def _data(argv: list[str]) -> int:
     return 0
 
 
-COMMANDS = {"data": _data}
+# Each command lives with the code it serves: "module:function(argv) -> exit code".
+COMMANDS = {
+    "data": "zerolab.__main__:_data",
+    "lr": "zerolab.optim.cli:lr_main",
+    "optim-state": "zerolab.optim.cli:optim_state_main",
+    "memory": "zerolab.memory:cli_main",
+    "compare": "zerolab.report:cli_main",
+    "sweep": "zerolab.sweep:cli_main",
+    "export": "zerolab.checkpoint:export_main",
+}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -27,7 +36,10 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] not in COMMANDS:
         print(f"usage: python -m zerolab {{{','.join(sorted(COMMANDS))}}} ...", file=sys.stderr)
         return 2
-    return COMMANDS[argv[0]](argv[1:])
+    import importlib
+
+    module, func = COMMANDS[argv[0]].split(":")
+    return getattr(importlib.import_module(module), func)(argv[1:])
 
 
 if __name__ == "__main__":

@@ -6,6 +6,11 @@ import importlib
 
 REGISTRY: dict[str, str] = {
     "ddp": "zerolab.strategies.ddp:DDPStrategy",
+    "zero1": "zerolab.strategies.zero:Zero1Strategy",
+    "zero2": "zerolab.strategies.zero:Zero2Strategy",
+    "deepspeed": "zerolab.strategies.deepspeed:DeepSpeedStrategy",
+    "torch_zero": "zerolab.strategies.torch_zero:TorchZeroStrategy",
+    "fsdp": "zerolab.strategies.fsdp:FSDPStrategy",
 }
 
 

@@ -24,6 +24,14 @@ from zerolab.precision import Precision, clip_coefficient, grad_norm_sq
 OptimizerFactory = Callable[[list[dict]], torch.optim.Optimizer]
 
 
+@dataclass
+class ShardPiece:
+    tensor: torch.Tensor  # 1-D, elements [start, end) of the flattened full tensor
+    start: int
+    end: int
+    shape: tuple  # shape of the full tensor
+
+
 class NonFiniteGradient(RuntimeError):
     pass
 
@@ -71,6 +79,19 @@ class Strategy(abc.ABC):
     def consolidated_state_dict(self) -> Optional[dict[str, torch.Tensor]]:
         """Full fp32 weights keyed like model.state_dict() on rank 0 (None elsewhere).
         Collective: every rank must call it."""
+
+    # ---- checkpoints (name-keyed, reshardable) ------------------------------------------------
+    # A rank's checkpoint state is a set of pieces "<kind>/<param name>" -> ShardPiece, where kind
+    # is "master" (fp32 weights; the weights themselves for fp32 strategies) or an optimizer state
+    # name ("exp_avg", "exp_avg_sq", "momentum_buffer", ...). A piece is a 1-D slice [start, end)
+    # of the flattened tensor. Loading asks for exactly the ranges this rank now owns, so a
+    # checkpoint written by N ranks of one strategy loads into M ranks of another.
+    def checkpoint_state(self) -> dict[str, "ShardPiece"]:
+        raise NotImplementedError(f"strategy {self.name} cannot write zerolab checkpoints yet")
+
+    def load_checkpoint_state(self, read: "Callable[[str, int, int], torch.Tensor]") -> None:
+        """`read(key, start, end)` returns elements [start, end) of the flattened tensor `key`."""
+        raise NotImplementedError(f"strategy {self.name} cannot load zerolab checkpoints yet")
 
     # ---- shared helpers --------------------------------------------------------------------
     def set_lr(self, lr: float) -> None:

@@ -1,0 +1,45 @@
+"""How a flat shard maps onto the tensors it came from.
+
+The ZeRO sharder hands the optimizer one flat fp32 tensor per param group: this rank's slice of
+the concatenated, padded group. Elementwise optimizers (SGD, Adam, AdamW) need nothing more.
+Layer-wise ones (LAMB, LARS) need per-*tensor* norms: each rank sums squares over the segments
+it owns and one all-reduce completes them. A flat group carries:
+  "params":    [flat_shard]
+  "segments":  list[Segment], the pieces of original tensors inside flat_shard
+  "n_tensors": number of tensors in the group (length of the per-tensor norm vector)
+  "names":     the tensors' names, indexed by Segment.tensor
+  "allreduce": callable(t) summing t over the data-parallel ranks in place
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Segment:
+    tensor: int  # index of the original tensor within its param group
+    start: int  # [start, end) within this rank's flat shard
+    end: int
+    offset: int  # where the segment starts inside the original (flattened) tensor
+
+
+def is_flat_group(group: dict) -> bool:
+    return "segments" in group
+
+
+def per_tensor_sum_sq(flat: torch.Tensor, segments: list[Segment], n_tensors: int) -> torch.Tensor:
+    """This rank's partial sums of squares per original tensor (fp32, length n_tensors)."""
+    out = torch.zeros(n_tensors, dtype=torch.float32, device=flat.device)
+    for s in segments:
+        out[s.tensor] += flat[s.start:s.end].float().pow(2).sum()
+    return out
+
+
+def expand_per_tensor(values: torch.Tensor, segments: list[Segment], numel: int) -> torch.Tensor:
+    """A flat tensor holding values[tensor] at every element of that tensor's segments (padding 0)."""
+    out = torch.zeros(numel, dtype=values.dtype, device=values.device)
+    for s in segments:
+        out[s.start:s.end] = values[s.tensor]
+    return out
