@@ -111,6 +111,7 @@ class WandbConfig:
 @dataclass
 class LoggingConfig:
     progress: bool = True
+    layer_stats_every: int = 0  # per-layer update/weight ratios every N steps (0: never)
     wandb: WandbConfig = field(default_factory=WandbConfig)
 
 
@@ -129,6 +130,24 @@ class RunConfig:
 
 
 @dataclass
+class CheckpointConfig:
+    every: int = 0  # save every N optimizer steps (0: never)
+    keep_last: int = 2
+    dir: str = ""  # empty: <run dir>/checkpoints
+    resume: str = ""  # "" (fresh start) | auto (newest good checkpoint, if any) | PATH
+
+
+@dataclass
+class FaultConfig:
+    """Deliberate failures, for testing recovery paths. All off by default."""
+    kill_rank: int = -1  # rank that fails ...
+    at_step: int = -1  # ... when it reaches this step
+    mode: str = "exit"  # exit (os._exit) | raise | hang
+    inf_grad_step: int = -1  # put an inf into one gradient at this step (loss-scaling tests)
+    inf_grad_rank: int = 0
+
+
+@dataclass
 class Config:
     model: ModelConfig = MISSING
     data: DataConfig = MISSING
@@ -139,6 +158,8 @@ class Config:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     dist: DistConfig = field(default_factory=DistConfig)
     run: RunConfig = field(default_factory=RunConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    fault: FaultConfig = field(default_factory=FaultConfig)
     experiment: str = "default"
 
 
