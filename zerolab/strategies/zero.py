@@ -1,0 +1,346 @@
+"""zerolab's own ZeRO-1 and ZeRO-2 (Rajbhandari et al. 2019, arXiv 1910.02054).
+
+Layout. Parameters are packed, in the order their gradients become ready in backward (reverse
+registration order), into buckets of about `strategy.bucket_mb`; a bucket never mixes param
+groups and is padded to a multiple of N. Every bucket is split into N equal chunks and rank r
+owns chunk r of every bucket: fp32 master weights, the fp32 gradient shard and the optimizer
+state exist only for owned chunks (this rank's "shard" of a group is its chunks of that group's
+buckets, concatenated). A parameter may straddle chunk boundaries.
+
+Why per-bucket chunks instead of one contiguous slice of the whole group (DESIGN.md's first
+sketch): a reduce-scatter hands chunk r of its input to rank r, so with per-bucket ownership a
+bucket can be reduce-scattered the moment its gradients are complete, while backward is still
+running. With one slice per rank, the first reduce-scatter would need gradients from all over
+the model and nothing could overlap.
+
+Step, per stage:
+  zero1  gradients accumulate in the model (views into per-bucket buffers, so a bucket is
+         reduce-scattered in place); on the last micro-batch each bucket is reduce-scattered as
+         soon as it is complete. Full-size gradients stay allocated.
+  zero2  a hook copies each finished gradient into its bucket and frees it; complete buckets
+         are reduce-scattered while backward continues and summed into the fp32 gradient shard.
+         Only the shard plus in-flight buckets exist. With accumulation this communicates on
+         every micro-batch (that is what keeps gradient memory sharded).
+Then: global norm from partial sums (one all-reduce), unscale + clip, optimizer update on the
+fp32 shard, and a bucketed all-gather writes the updated chunks, in compute dtype, straight into
+the model's parameters (which are views into per-bucket flat buffers).
+
+Collectives are launched in one fixed bucket order on every rank (a bucket waits for the ones
+before it), and buckets whose parameters got no gradient are flushed with zeros at the end of
+backward, so unused parameters can neither hang nor misalign the reductions.
+"""
+from __future__ import annotations
+
+from collections import deque
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from zerolab.memory import StorageCounter
+from zerolab.optim.segments import Segment
+from zerolab.strategies.base import OptimizerFactory, ShardPiece, StepInfo, Strategy
+
+
+@dataclass
+class Bucket:
+    group: int  # param group index
+    params: list  # [(param, tensor index in group, offset in bucket)]
+    size: int  # padded to a multiple of N
+    shard_pos: int  # where this bucket's chunk sits in the rank's group shard
+    flat_params: Optional[torch.Tensor] = None  # compute-dtype buffer the params view into
+    flat_grads: Optional[torch.Tensor] = None  # zero1: gradient buffer the grads view into
+    comm_buf: Optional[torch.Tensor] = None  # zero2: in-flight gradient copy
+    arrived: int = 0  # gradients complete in this backward
+    launched: bool = False
+
+    @property
+    def chunk(self) -> int:
+        return self.size // self.world
+
+    world: int = 1
+
+
+@dataclass
+class FlatGroup:
+    master: nn.Parameter  # fp32 shard; .grad is the fp32 gradient shard
+    segments: list[Segment] = field(default_factory=list)
+    names: list[str] = field(default_factory=list)
+
+
+class ZeroStrategy(Strategy):
+    stage = 1
+    sharded_grads = True
+
+    # ---- setup ------------------------------------------------------------------------------
+    def setup(self, model: nn.Module, param_groups: list[dict], make_optimizer: OptimizerFactory) -> nn.Module:
+        model.to(device=self.ctx.device, dtype=self.precision.compute_dtype)
+        self.model, self.world, self.rank = model, self.ctx.world_size, self.ctx.rank
+        for p in model.parameters():  # every rank starts from rank 0's weights
+            dist.broadcast(p.data, src=0)
+        self.reduce_dtype = torch.float32 if self.cfg.strategy.reduce_dtype == "fp32" else self.precision.compute_dtype
+        self.buckets = self._make_buckets(model, param_groups)
+        self.bucket_of = {id(p): b for b in self.buckets for p, _, _ in b.params}
+        self.offset_of = {id(p): off for b in self.buckets for p, _, off in b.params}
+        self.groups = self._make_flat_groups(param_groups)
+        self.optimizer = make_optimizer([
+            {**{k: v for k, v in g.items() if k not in ("params", "names")}, "params": [fg.master],
+             "segments": fg.segments, "n_tensors": len(g["params"]), "names": g["names"],
+             "allreduce": self._allreduce}
+            for g, fg in zip(param_groups, self.groups)])
+        self.pending: deque = deque()  # (work, output chunk, bucket) in launch order
+        self.next_launch = 0
+        self.sync = True
+        for p in self.bucket_of_params():
+            p.register_post_accumulate_grad_hook(self._grad_ready)
+        return model
+
+    def bucket_of_params(self):
+        return [p for b in self.buckets for p, _, _ in b.params]
+
+    def _make_buckets(self, model: nn.Module, param_groups: list[dict]) -> list[Bucket]:
+        """Greedy packing in reverse registration order (≈ gradient-ready order), one open
+        bucket per group; buckets are listed in the order they fill up."""
+        order = {id(p): i for i, p in enumerate(model.parameters())}
+        entries = sorted(((order[id(p)], gi, ti, p) for gi, g in enumerate(param_groups)
+                          for ti, p in enumerate(g["params"])), key=lambda e: -e[0])
+        cap = max(1, int(self.cfg.strategy.bucket_mb * 2**20 / self.precision.compute_dtype.itemsize))
+        open_: dict[int, list] = {}
+        closed: list[tuple[int, list]] = []
+        for _, gi, ti, p in entries:
+            cur = open_.setdefault(gi, [])
+            cur.append((p, ti))
+            if sum(q.numel() for q, _ in cur) >= cap:
+                closed.append((gi, open_.pop(gi)))
+        closed += sorted(open_.items(), key=lambda kv: -order[id(kv[1][-1][0])])  # by last param
+        shard_pos = [0] * len(param_groups)
+        buckets = []
+        for gi, members in closed:
+            offsets, total = [], 0
+            for p, ti in members:
+                offsets.append((p, ti, total))
+                total += p.numel()
+            size = -(-total // self.world) * self.world
+            b = Bucket(group=gi, params=offsets, size=size, shard_pos=shard_pos[gi], world=self.world)
+            shard_pos[gi] += b.chunk
+            self._flatten_params(b)
+            buckets.append(b)
+        self.shard_sizes = shard_pos
+        return buckets
+
+    def _flatten_params(self, b: Bucket) -> None:
+        """Make the bucket's params views into one flat buffer, so all-gather lands in place."""
+        p0 = b.params[0][0]
+        b.flat_params = torch.zeros(b.size, dtype=p0.dtype, device=p0.device)
+        for p, _, off in b.params:
+            b.flat_params[off:off + p.numel()].copy_(p.data.view(-1))
+            p.data = b.flat_params[off:off + p.numel()].view_as(p)
+        if self.stage == 1:
+            b.flat_grads = torch.zeros_like(b.flat_params)
+            for p, _, off in b.params:
+                p.grad = b.flat_grads[off:off + p.numel()].view_as(p)
+
+    def _make_flat_groups(self, param_groups: list[dict]) -> list[FlatGroup]:
+        groups = [FlatGroup(nn.Parameter(torch.zeros(n, dtype=torch.float32, device=self.ctx.device)),
+                            names=list(g["names"])) for n, g in zip(self.shard_sizes, param_groups)]
+        for g in groups:
+            g.master.grad = torch.zeros_like(g.master)
+        for b in self.buckets:
+            lo, hi = self.rank * b.chunk, (self.rank + 1) * b.chunk
+            fg = groups[b.group]
+            fg.master.data[b.shard_pos:b.shard_pos + b.chunk].copy_(b.flat_params[lo:hi].float())
+            for p, ti, off in b.params:
+                start, end = max(off, lo), min(off + p.numel(), hi)
+                if start < end:
+                    fg.segments.append(Segment(tensor=ti, start=b.shard_pos + start - lo,
+                                               end=b.shard_pos + end - lo, offset=start - off))
+        return groups
+
+    def _allreduce(self, t: torch.Tensor) -> None:
+        self.comm.record("all_reduce", t)
+        dist.all_reduce(t)
+
+    # ---- backward: hooks, in-order launches ---------------------------------------------------
+    def no_sync(self):
+        if self.stage == 2:  # zero2 reduces every micro-batch: its gradients are never whole
+            return super().no_sync()
+        return self._no_sync()
+
+    @contextmanager
+    def _no_sync(self):
+        self.sync = False
+        try:
+            yield
+        finally:
+            self.sync = True
+
+    def _grad_ready(self, p: torch.Tensor) -> None:
+        if not self.sync:
+            return
+        b = self.bucket_of[id(p)]
+        if self.stage == 2:
+            if b.comm_buf is None:
+                b.comm_buf = torch.zeros(b.size, dtype=self.reduce_dtype, device=p.device)
+            off = self.offset_of[id(p)]
+            b.comm_buf[off:off + p.numel()].copy_(p.grad.view(-1))
+            p.grad = None  # the full-size gradient is freed right away
+        b.arrived += 1
+        self._launch_ready()
+
+    def _launch_ready(self, flush: bool = False) -> None:
+        """Launch buckets strictly in list order; `flush` launches the rest (missing grads = 0)."""
+        while self.next_launch < len(self.buckets):
+            b = self.buckets[self.next_launch]
+            if not flush and b.arrived < len(b.params):
+                return
+            self._reduce_scatter(b)
+            self.next_launch += 1
+
+    def _reduce_scatter(self, b: Bucket) -> None:
+        if self.stage == 1:
+            buf = b.flat_grads if self.reduce_dtype == b.flat_grads.dtype else b.flat_grads.to(self.reduce_dtype)
+        else:
+            if b.comm_buf is None:  # no parameter of this bucket got a gradient
+                b.comm_buf = torch.zeros(b.size, dtype=self.reduce_dtype, device=self.ctx.device)
+            buf = b.comm_buf
+        buf.div_(self.world)  # average before summing, as DDP does: same rounding in 16 bits
+        out = torch.empty(b.chunk, dtype=buf.dtype, device=buf.device)
+        self.comm.record("reduce_scatter", buf)
+        work = dist.reduce_scatter_single(out, buf, async_op=True)
+        self.pending.append((work, out, b, buf))
+        b.launched = True
+
+    def _drain(self) -> None:
+        """Wait for launched reductions, oldest first (a fixed order keeps sums reproducible),
+        and add each averaged chunk into the fp32 gradient shard."""
+        while self.pending:
+            work, out, b, _ = self.pending.popleft()
+            work.wait()
+            self.groups[b.group].master.grad[b.shard_pos:b.shard_pos + b.chunk].add_(out)
+            b.comm_buf = None  # zero2: the bucket's memory goes back to the allocator
+
+    def backward(self, loss: torch.Tensor) -> None:
+        super().backward(loss)
+        if self.sync:
+            self._launch_ready(flush=True)
+            self._drain()
+            for b in self.buckets:
+                b.arrived, b.launched = 0, False
+            self.next_launch = 0
+
+    # ---- step -------------------------------------------------------------------------------
+    def step(self, lr: float) -> StepInfo:
+        self.set_lr(lr)
+        self._drain()
+        info = self.unscale_clip_update([g.master.grad for g in self.groups])
+        if not info.skipped:
+            self._all_gather_params()
+        for g in self.groups:
+            g.master.grad.zero_()
+        if self.stage == 1:
+            for b in self.buckets:
+                b.flat_grads.zero_()
+        return info
+
+    @torch.no_grad()
+    def _all_gather_params(self) -> None:
+        works = []
+        for b in self.buckets:
+            chunk = self.groups[b.group].master[b.shard_pos:b.shard_pos + b.chunk].to(b.flat_params.dtype)
+            self.comm.record("all_gather", b.flat_params)
+            works.append((dist.all_gather_single(b.flat_params, chunk, async_op=True), chunk))
+        for work, _ in works:
+            work.wait()
+
+    # ---- introspection ------------------------------------------------------------------------
+    def describe_nonfinite(self) -> str:
+        for g in self.groups:
+            for s in g.segments:
+                if not torch.isfinite(g.master.grad[s.start:s.end]).all():
+                    return f"first non-finite gradient: {g.names[s.tensor]} (on rank {self.rank})"
+        return "the non-finite values are on another rank, or only their norm overflowed"
+
+    def memory(self) -> dict[str, int]:
+        c = StorageCounter()
+        c.add("params", (b.flat_params for b in self.buckets))
+        c.add("grads", (b.flat_grads for b in self.buckets)).add("grads", (g.master.grad for g in self.groups))
+        c.add("master", (g.master for g in self.groups)).add_optimizer(self.optimizer)
+        c.add("buffers", (b.comm_buf for b in self.buckets)).add("buffers", self.model.buffers())
+        return c.result()
+
+    def _full_master(self) -> dict[int, torch.Tensor]:
+        """All-gather the fp32 master chunks; returns id(param) -> full fp32 tensor."""
+        out = {}
+        for b in self.buckets:
+            full = torch.empty(b.size, dtype=torch.float32, device=self.ctx.device)
+            dist.all_gather_single(full, self.groups[b.group].master.data[b.shard_pos:b.shard_pos + b.chunk].contiguous())
+            for p, _, off in b.params:
+                out[id(p)] = full[off:off + p.numel()].view(p.shape)
+        return out
+
+    @torch.no_grad()
+    def consolidated_state_dict(self) -> Optional[dict[str, torch.Tensor]]:
+        full = self._full_master()
+        if not self.ctx.is_main:
+            return None
+        return {name: full.get(id(t), t).detach().float().cpu().clone()
+                for name, t in self.model.state_dict(keep_vars=True).items()}
+
+    # ---- checkpoints: this rank's pieces, keyed by parameter name and element range ----------
+    def _pieces(self):
+        for g in self.groups:
+            state = self.optimizer.state.get(g.master, {})
+            tensors = {"master": g.master.data, **{k: v for k, v in state.items()
+                                                   if isinstance(v, torch.Tensor) and v.shape == g.master.shape}}
+            for s in g.segments:
+                yield g, s, tensors
+
+    def checkpoint_state(self) -> dict[str, ShardPiece]:
+        out = {}
+        for g, s, tensors in self._pieces():
+            name = g.names[s.tensor]
+            shape = tuple(self._param_by_name[name].shape)
+            for kind, t in tensors.items():
+                out[f"{kind}/{name}"] = ShardPiece(t[s.start:s.end].detach().clone().cpu(), s.offset,
+                                                   s.offset + s.end - s.start, shape)
+        return out
+
+    @torch.no_grad()
+    def load_checkpoint_state(self, read) -> None:
+        self._materialise_optimizer_state()
+        for g, s, tensors in self._pieces():
+            name = g.names[s.tensor]
+            for kind, t in tensors.items():
+                t[s.start:s.end].copy_(read(f"{kind}/{name}", s.offset, s.offset + s.end - s.start))
+        for b in self.buckets:  # model weights follow the loaded master
+            b.flat_params.zero_()
+        self._all_gather_params()
+
+    def _materialise_optimizer_state(self) -> None:
+        """A fresh optimizer has no state to load into: one update with zero gradients and lr 0
+        creates it (and changes no weight); the loaded values then overwrite it."""
+        if all(self.optimizer.state.get(g.master) for g in self.groups):
+            return
+        saved = [(grp["lr"], grp.get("weight_decay", 0.0)) for grp in self.optimizer.param_groups]
+        for grp in self.optimizer.param_groups:
+            grp["lr"] = 0.0
+        for g in self.groups:
+            g.master.grad.zero_()
+        self.optimizer.step()
+        for grp, (lr, _) in zip(self.optimizer.param_groups, saved):
+            grp["lr"] = lr
+
+    @property
+    def _param_by_name(self) -> dict[str, torch.Tensor]:
+        return dict(self.model.named_parameters())
+
+
+class Zero1Strategy(ZeroStrategy):
+    name, stage = "zero1", 1
+
+
+class Zero2Strategy(ZeroStrategy):
+    name, stage = "zero2", 2
