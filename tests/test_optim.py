@@ -1,0 +1,183 @@
+"""zerolab's optimizers: equal to torch's where torch has one, to the papers' formulas where not."""
+import math
+
+import pytest
+import torch
+
+from zerolab.config import OPTIMIZERS, OptimConfig
+from zerolab.optim import SGD, Adam, AdamW, Lamb, Lars, build_optimizer, state_elements_per_param
+
+
+def _params(seed=0, shapes=((16, 8), (8,), (3, 5, 2))):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(*s, generator=g) for s in shapes]
+
+
+def _run(make, init, steps=20, seed=1):
+    """Apply `steps` steps of random gradients (the same sequence for every optimizer)."""
+    ps = [torch.nn.Parameter(t.clone()) for t in init]
+    opt = make(ps)
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        for p in ps:
+            p.grad = torch.randn(p.shape, generator=g)
+        opt.step()
+    return [p.detach() for p in ps], opt
+
+
+def _rel(a, b):
+    return max(((x - y).abs().max() / y.abs().max()).item() for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("impl", ["foreach", "for_loop"])
+def test_adamw_matches_torch(impl):
+    init = _params()
+    ours, _ = _run(lambda ps: AdamW(ps, lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1, impl=impl), init)
+    ref, _ = _run(lambda ps: torch.optim.AdamW(ps, lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1), init)
+    assert _rel(ours, ref) < 1e-6
+    assert _rel(ours, init) > 1e-2  # it moved
+
+
+@pytest.mark.parametrize("impl", ["foreach", "for_loop"])
+def test_adam_coupled_l2_matches_torch(impl):
+    init = _params()
+    ours, _ = _run(lambda ps: Adam(ps, lr=1e-2, weight_decay=0.1, impl=impl), init)
+    ref, _ = _run(lambda ps: torch.optim.Adam(ps, lr=1e-2, weight_decay=0.1), init)
+    assert _rel(ours, ref) < 1e-6
+
+
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+@pytest.mark.parametrize("impl", ["foreach", "for_loop"])
+def test_sgd_matches_torch(momentum, impl):
+    init = _params()
+    ours, _ = _run(lambda ps: SGD(ps, lr=0.05, momentum=momentum, weight_decay=0.01, impl=impl), init)
+    ref, _ = _run(lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=momentum, weight_decay=0.01), init)
+    assert _rel(ours, ref) < 1e-6
+
+
+def test_adamw_worked_first_step():
+    """The course's example: lr 0.01, betas (0.9, 0.999), eps 1e-8, wd 0.01."""
+    w = torch.nn.Parameter(torch.tensor([0.4, 0.0]))
+    w.grad = torch.tensor([-0.8265, 0.2326])
+    AdamW([w], lr=0.01, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01).step()
+    assert w[0].item() == pytest.approx(0.40996, abs=1e-7)
+    assert w[1].item() == pytest.approx(-0.01, abs=1e-7)
+    # Without bias correction the first m/√v is (0.1·g)/√(0.001·g²) = ±3.16 instead of ±1.
+    w = torch.nn.Parameter(torch.tensor([0.4]))
+    w.grad = torch.tensor([-0.8265])
+    AdamW([w], lr=1.0, eps=0.0, weight_decay=0.0, bias_correction=False).step()
+    m_over_sqrt_v = -(w.item() - 0.4)  # Δw = −lr·m/√v
+    assert m_over_sqrt_v == pytest.approx(-3.16, abs=5e-3)
+    assert m_over_sqrt_v == pytest.approx(-0.1 / math.sqrt(0.001), rel=1e-5)
+
+
+def _lamb_reference(init, steps, lr, betas, eps, wd, max_ratio=None, seed=1):
+    """LAMB written out per tensor from the paper, in float64."""
+    b1, b2 = betas
+    ws = [t.double().clone() for t in init]
+    ms = [torch.zeros_like(w) for w in ws]
+    vs = [torch.zeros_like(w) for w in ws]
+    g = torch.Generator().manual_seed(seed)
+    for t in range(1, steps + 1):
+        for i, w in enumerate(ws):
+            grad = torch.randn(w.shape, generator=g).double()
+            ms[i] = b1 * ms[i] + (1 - b1) * grad
+            vs[i] = b2 * vs[i] + (1 - b2) * grad * grad
+            u = (ms[i] / (1 - b1 ** t)) / ((vs[i] / (1 - b2 ** t)).sqrt() + eps) + wd * w
+            wn, un = w.norm(), u.norm()
+            r = (wn / un).item() if wn > 0 and un > 0 else 1.0
+            if max_ratio is not None:
+                r = min(r, max_ratio)
+            ws[i] = w - lr * r * u
+    return ws
+
+
+@pytest.mark.parametrize("impl", ["foreach", "for_loop"])
+def test_lamb_matches_paper_formula(impl):
+    init = _params()
+    ours, opt = _run(lambda ps: Lamb(ps, lr=0.02, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.01, impl=impl),
+                     init, steps=10)
+    ref = _lamb_reference(init, 10, 0.02, (0.9, 0.999), 1e-6, 0.01)
+    assert _rel(ours, [r.float() for r in ref]) < 1e-5
+    stats = opt.step_stats()
+    assert 0 < stats["trust_ratio_min"] <= stats["trust_ratio_median"] <= stats["trust_ratio_max"]
+
+
+def test_lamb_trust_ratio_rules():
+    # A zero tensor has ‖w‖ = 0: ratio 1 (it can leave zero); the clamp bounds large ratios.
+    init = [torch.zeros(4, 4), 100 * torch.ones(3)]
+    _, opt = _run(lambda ps: Lamb(ps, lr=0.01, max_trust_ratio=10.0), init, steps=1)
+    assert opt.step_stats()["trust_ratio_max"] == pytest.approx(10.0)  # ‖w‖/‖u‖ ≈ 100, clamped
+    assert opt.step_stats()["trust_ratio_min"] == pytest.approx(1.0)  # the zero tensor
+    ours, opt = _run(lambda ps: Lamb(ps, lr=0.01, max_trust_ratio=10.0), init, steps=3)
+    ref = _lamb_reference(init, 3, 0.01, (0.9, 0.999), 1e-6, 0.0, max_ratio=10.0)
+    assert _rel(ours, [r.float() for r in ref]) < 1e-5
+    # trust_ratio=False is AdamW (LAMB's λ·w term inside u, times lr, is AdamW's decoupled decay).
+    init = _params()
+    off, opt = _run(lambda ps: Lamb([{"params": ps, "trust_ratio": False}], lr=0.01, weight_decay=0.1), init)
+    adamw, _ = _run(lambda ps: torch.optim.AdamW(ps, lr=0.01, eps=1e-6, weight_decay=0.1), init)
+    assert _rel(off, adamw) < 1e-6 and opt.step_stats() == {}
+
+
+def test_lars_matches_paper_formula():
+    init = _params()
+    lr, mu, wd, tc, eps = 2.0, 0.9, 1e-4, 0.001, 1e-8
+    ours, _ = _run(lambda ps: Lars(ps, lr=lr, momentum=mu, weight_decay=wd, trust_coefficient=tc, eps=eps), init, 10)
+    ws = [t.double().clone() for t in init]
+    bufs = [torch.zeros_like(w) for w in ws]
+    g = torch.Generator().manual_seed(1)
+    for _ in range(10):
+        for i, w in enumerate(ws):
+            grad = torch.randn(w.shape, generator=g).double()
+            local = tc * w.norm() / (grad.norm() + wd * w.norm() + eps)
+            bufs[i] = mu * bufs[i] + lr * local * (grad + wd * w)
+            ws[i] = w - bufs[i]
+    assert _rel(ours, [w.float() for w in ws]) < 1e-5
+
+
+def test_build_optimizer_every_name_and_group_rules():
+    w, b = torch.nn.Parameter(torch.randn(4, 4)), torch.nn.Parameter(torch.zeros(4))
+    groups = [{"params": [w], "names": ["fc.weight"], "weight_decay": 0.1},
+              {"params": [b], "names": ["fc.bias"], "weight_decay": 0.0}]
+    classes = {"adamw": AdamW, "adam": Adam, "sgd": SGD, "sgd_momentum": SGD, "lamb": Lamb, "lars": Lars}
+    for name in OPTIMIZERS:
+        opt = build_optimizer(OptimConfig(name=name, lr=0.01, weight_decay=0.1), groups)
+        assert type(opt) is classes[name]
+        assert [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.0]
+        if name in ("lamb", "lars"):
+            assert [g["trust_ratio"] for g in opt.param_groups] == [True, False]
+    assert build_optimizer(OptimConfig(name="sgd_momentum", momentum=0.8), groups).param_groups[0]["momentum"] == 0.8
+    with pytest.raises(ValueError, match="allowed values"):
+        build_optimizer(OptimConfig(name="adagrad"), groups)
+
+
+def test_state_elements_per_param_measured():
+    assert {n: state_elements_per_param(n) for n in OPTIMIZERS} == {
+        "adamw": 2.0, "adam": 2.0, "sgd": 0.0, "sgd_momentum": 1.0, "lamb": 2.0, "lars": 1.0}
+
+
+@pytest.mark.parametrize("name", ["adamw", "lamb", "lars", "sgd_momentum"])
+def test_tracked_update_norms_equal_measured_change(name):
+    """‖Δw‖ and ‖w‖ recorded by the optimizer are those of the change it actually made."""
+    ps = [torch.nn.Parameter(t) for t in _params()]
+    opt = build_optimizer(OptimConfig(name=name, lr=0.05), [{"params": ps, "names": ["a", "b", "c"]}])
+    for p in ps:
+        p.grad = torch.randn_like(p)
+    before = [p.detach().clone() for p in ps]
+    opt.track_updates = True
+    opt.step()
+    (rec,) = opt.pop_update_stats()
+    assert rec["names"] == ["a", "b", "c"] and not rec["partial"]
+    measured = torch.stack([(p.detach() - b).pow(2).sum() for p, b in zip(ps, before)])
+    assert torch.allclose(rec["update_sq"], measured, rtol=1e-4)
+    assert torch.allclose(rec["weight_sq"], torch.stack([b.pow(2).sum() for b in before]), rtol=1e-5)
+    opt.track_updates = False
+    opt.step()
+    assert opt.pop_update_stats() == []
+
+
+def test_bad_settings_are_named():
+    with pytest.raises(ValueError, match="impl='fast'"):
+        AdamW([torch.nn.Parameter(torch.zeros(2))], impl="fast")
+    with pytest.raises(ValueError, match="max_trust_ratio"):
+        Lamb([torch.nn.Parameter(torch.zeros(2))], max_trust_ratio=0)

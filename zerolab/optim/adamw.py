@@ -1,0 +1,66 @@
+"""Adam (Kingma & Ba 2014) and AdamW (Loshchilov & Hutter 2017), the same math as torch's.
+
+Per tensor, with gradient g, step t, lr η, decay λ:
+  m ← β1·m + (1−β1)·g          v ← β2·v + (1−β2)·g²
+  m̂ = m/(1−β1ᵗ)               v̂ = v/(1−β2ᵗ)            (bias correction, optional)
+  AdamW:  Δw = −η·λ·w − η·m̂/(√v̂ + ε)   (decay decoupled from the gradient statistics)
+  Adam:   g ← g + λ·w before the moments (classic L2: decay is rescaled by 1/√v̂ like the gradient)
+ε is added after the bias-corrected square root, as torch does.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from zerolab.optim.base import ZerolabOptimizer
+
+
+class AdamW(ZerolabOptimizer):
+    decoupled = True
+
+    def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 1e-2, bias_correction: bool = True, impl: str = "auto"):
+        if lr < 0 or eps < 0 or weight_decay < 0 or not all(0.0 <= b < 1.0 for b in betas):
+            raise ValueError(f"invalid {type(self).__name__} settings: lr={lr}, betas={betas}, eps={eps}, "
+                             f"weight_decay={weight_decay} (need lr, eps, decay >= 0 and betas in [0, 1))")
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
+                        bias_correction=bias_correction)
+        super().__init__(params, defaults, impl)
+
+    def _step_group(self, group: dict) -> None:
+        params, grads, names = self._live(group)
+        if not params:
+            return
+        lr, (b1, b2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+        states = [self._state(p, "exp_avg", "exp_avg_sq") for p in params]
+        t = self._advance_step(params)
+        bc1 = 1 - b1 ** t if group["bias_correction"] else 1.0
+        bc2 = 1 - b2 ** t if group["bias_correction"] else 1.0
+        updates = []
+        for ps, gs, ms, vs in self._chunks(group, params, grads, [s[0] for s in states], [s[1] for s in states]):
+            if wd and not self.decoupled:
+                gs = torch._foreach_add(gs, ps, alpha=wd)  # L2 enters the moments (a new list)
+            torch._foreach_lerp_(ms, gs, 1 - b1)
+            torch._foreach_mul_(vs, b2)
+            torch._foreach_addcmul_(vs, gs, gs, value=1 - b2)
+            # u = √v̂ + ε, then u ← m̂/u · (−η): built in one temporary per tensor.
+            u = torch._foreach_sqrt(vs)
+            torch._foreach_div_(u, math.sqrt(bc2))
+            torch._foreach_add_(u, eps)
+            torch._foreach_reciprocal_(u)
+            torch._foreach_mul_(u, ms)
+            torch._foreach_mul_(u, -lr / bc1)
+            if wd and self.decoupled:
+                torch._foreach_add_(u, ps, alpha=-lr * wd)
+            updates.extend(u)
+        self._apply(group, params, updates, names)
+
+
+class Adam(AdamW):
+    """Adam with classic (coupled) L2 weight decay, as torch.optim.Adam(weight_decay=λ)."""
+    decoupled = False
+
+    def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 0.0, bias_correction: bool = True, impl: str = "auto"):
+        super().__init__(params, lr, betas, eps, weight_decay, bias_correction, impl)

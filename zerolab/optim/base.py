@@ -1,0 +1,194 @@
+"""What zerolab's optimizers share: kernel choice, flat-group plumbing, and the numbers the
+trainer logs about each step (update-to-weight ratios, trust ratios).
+
+Every zerolab optimizer computes the update Δw of each tensor explicitly and then adds it
+(p += Δw). That costs one temporary per tensor, the same as torch's foreach AdamW keeps for its
+denominator, and makes ‖Δw‖ available for free on the steps where the trainer asks for it.
+
+Kernels (`impl`):
+  for_loop  one tensor at a time (a Python loop of small kernels)
+  foreach   torch's multi-tensor `_foreach_*` ops over the whole group
+  auto      foreach when every tensor of a group is dense and on one device
+A flat group (one contiguous fp32 shard from the ZeRO sharder) is a single tensor, so the choice
+does not matter there: every op already runs over the whole shard at once.
+"""
+from __future__ import annotations
+
+from typing import Iterable, Iterator
+
+import torch
+
+from zerolab.optim.segments import is_flat_group, per_tensor_sum_sq
+
+IMPLS = ("auto", "foreach", "for_loop")
+
+
+class ZerolabOptimizer(torch.optim.Optimizer):
+    """A torch.optim.Optimizer with optional per-step statistics.
+
+    Set `track_updates = True` before `step()` to have the optimizer record, per tensor, ‖Δw‖²
+    and ‖w‖² (w before the update); `pop_update_stats()` returns them. For flat groups the
+    sums are this rank's partial sums over the segments it owns; the caller all-reduces them."""
+
+    def __init__(self, params, defaults: dict, impl: str = "auto"):
+        if impl not in IMPLS:
+            raise ValueError(f"impl={impl!r} is not valid; use one of {', '.join(IMPLS)}")
+        self.impl = impl
+        super().__init__(params, defaults)
+        self.track_updates = False
+        self._update_stats: list[dict] = []
+        self._trust_ratios: list[torch.Tensor] = []
+
+    # ---- helpers for subclasses ---------------------------------------------------------------
+    def _live(self, group: dict) -> tuple[list[torch.Tensor], list[torch.Tensor], list[str]]:
+        """The group's params that have a gradient, their grads, and their names."""
+        params, grads, names = [], [], []
+        group_names = group.get("names") or [f"{id(group)}.{i}" for i in range(len(group["params"]))]
+        for p, name in zip(group["params"], group_names):
+            if p.grad is None:
+                continue
+            if p.grad.is_sparse:
+                raise RuntimeError(f"{type(self).__name__} does not support sparse gradients ({name})")
+            params.append(p)
+            grads.append(p.grad)
+            names.append(name)
+        if is_flat_group(group) and len(params) != len(group["params"]):
+            # Every rank must take part in the group's collectives, so a flat shard without a
+            # gradient would leave the others waiting: refuse instead of hanging.
+            raise RuntimeError("a flat (ZeRO) param group has a shard without .grad; the sharder must "
+                               "set the gradient shard on every rank before optimizer.step()")
+        return params, grads, names
+
+    def _chunks(self, group: dict, *lists: list) -> Iterator[tuple[list, ...]]:
+        """The whole lists at once (foreach), or one tensor at a time (for_loop)."""
+        if self._foreach(lists[0]):
+            yield lists
+        else:
+            for i in range(len(lists[0])):
+                yield tuple([lst[i]] for lst in lists)
+
+    def _foreach(self, tensors: list[torch.Tensor]) -> bool:
+        if self.impl == "for_loop" or len(tensors) <= 1:
+            return False
+        if self.impl == "foreach":
+            return True
+        return len({(t.device, t.dtype) for t in tensors}) == 1
+
+    def _state(self, p: torch.Tensor, *names: str) -> list[torch.Tensor]:
+        """Optimizer state tensors of `p` (created as zeros, in p's dtype, on first use)."""
+        state = self.state[p]
+        if "step" not in state:
+            state["step"] = torch.zeros((), dtype=torch.float32)
+        for n in names:
+            if n not in state:
+                state[n] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        return [state[n] for n in names]
+
+    def _advance_step(self, params: list[torch.Tensor]) -> int:
+        """Increment the per-parameter step counters; returns the new step (1 on the first)."""
+        steps = [self.state[p]["step"] for p in params]
+        for s in steps:
+            s += 1
+        return int(steps[0].item()) if steps else 0
+
+    def _apply(self, group: dict, params: list[torch.Tensor], updates: list[torch.Tensor],
+               names: list[str]) -> None:
+        """p += Δw for every tensor, recording ‖Δw‖² and ‖w‖² first when asked."""
+        if self.track_updates:
+            self._record(group, params, updates, names)
+        if self._foreach(params):
+            torch._foreach_add_(params, updates)
+        else:
+            for p, u in zip(params, updates):
+                p.add_(u)
+
+    def _record(self, group: dict, params: list[torch.Tensor], updates: list[torch.Tensor],
+                names: list[str]) -> None:
+        if is_flat_group(group):
+            segs, n = group["segments"], group["n_tensors"]
+            self._update_stats.append({"names": list(group["names"]), "partial": True,
+                                       "update_sq": per_tensor_sum_sq(updates[0], segs, n),
+                                       "weight_sq": per_tensor_sum_sq(params[0], segs, n)})
+        elif params:
+            self._update_stats.append({"names": names, "partial": False,
+                                       "update_sq": _sum_sq(updates), "weight_sq": _sum_sq(params)})
+
+    def _record_trust(self, ratios: torch.Tensor) -> None:
+        """Keep this step's trust ratios (no device sync here; step_stats() reads them)."""
+        self._trust_ratios.append(ratios.detach())
+
+    # ---- the optimizer's side of the metrics ------------------------------------------------
+    def step(self, closure=None):
+        self._update_stats, self._trust_ratios = [], []
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        with torch.no_grad():
+            for group in self.param_groups:
+                self._step_group(group)
+        return loss
+
+    def _step_group(self, group: dict) -> None:
+        raise NotImplementedError
+
+    def pop_update_stats(self) -> list[dict]:
+        """Per group: names, update_sq and weight_sq per tensor, and whether they are partial
+        (flat shard: the caller must sum them over ranks). Empty unless track_updates was set."""
+        out, self._update_stats = self._update_stats, []
+        return out
+
+    def step_stats(self) -> dict[str, float]:
+        """min/median/max of the last step's trust ratios over tensors (LAMB/LARS; {} otherwise).
+        Under flat groups every rank holds the complete per-tensor vector after its all-reduce."""
+        if not self._trust_ratios:
+            return {}
+        r = torch.cat([t.flatten().float() for t in self._trust_ratios]).cpu()
+        return {"trust_ratio_min": r.min().item(), "trust_ratio_median": r.median().item(),
+                "trust_ratio_max": r.max().item()}
+
+
+def _sum_sq(tensors: Iterable[torch.Tensor]) -> torch.Tensor:
+    tensors = list(tensors)
+    norms = torch._foreach_norm([t.float() if t.dtype != torch.float32 else t for t in tensors])
+    return torch.stack(norms).pow(2)
+
+
+def per_tensor_norms(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """L2 norm of each tensor, in fp32, as one vector."""
+    if not tensors:
+        return torch.zeros(0)
+    return _sum_sq(tensors).sqrt()
+
+
+def layer_norms(group: dict, a: list[torch.Tensor], b: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-tensor L2 norms of two lists (e.g. weights and updates), as fp32 vectors.
+
+    Unsharded group: norms of whole tensors. Flat group: this rank's partial sums of squares
+    over its segments, completed by ONE call to group["allreduce"] for both vectors, so every
+    rank ends with the full per-tensor norms of tensors that straddle shard boundaries."""
+    if is_flat_group(group):
+        segs, n = group["segments"], group["n_tensors"]
+        both = torch.cat([per_tensor_sum_sq(a[0], segs, n), per_tensor_sum_sq(b[0], segs, n)])
+        group["allreduce"](both)
+        return both[:n].sqrt(), both[n:].sqrt()
+    return per_tensor_norms(a), per_tensor_norms(b)
+
+
+def scale_per_tensor(group: dict, tensors: list[torch.Tensor], factors: torch.Tensor) -> None:
+    """tensors[i] *= factors[i] (unsharded), or each segment by its tensor's factor (flat)."""
+    if is_flat_group(group):
+        from zerolab.optim.segments import expand_per_tensor
+
+        flat = tensors[0]
+        flat.mul_(expand_per_tensor(factors.to(flat.device), group["segments"], flat.numel()).to(flat.dtype))
+    else:
+        for t, f in zip(tensors, factors.to(tensors[0].device).unbind()):
+            t.mul_(f)
+
+
+def trust_ratio(numer: torch.Tensor, denom: torch.Tensor, max_ratio) -> torch.Tensor:
+    """numer/denom per tensor; 1 where either is 0 (a fresh zero tensor, or no signal); clamped."""
+    ratio = torch.where((numer > 0) & (denom > 0), numer / denom.clamp_min(torch.finfo(denom.dtype).tiny),
+                        torch.ones_like(numer))
+    return ratio.clamp(max=max_ratio) if max_ratio is not None else ratio

@@ -1,0 +1,40 @@
+"""SGD, with or without heavy-ball momentum, the same math as torch.optim.SGD (dampening 0).
+
+  g ← g + λ·w                       (classic L2 decay, coupled to the gradient)
+  plain:     Δw = −η·g
+  momentum:  b ← μ·b + g,  Δw = −η·b
+The buffer starts at zero, so the first step gives b = g exactly, as torch's copy does.
+"""
+from __future__ import annotations
+
+import torch
+
+from zerolab.optim.base import ZerolabOptimizer
+
+
+class SGD(ZerolabOptimizer):
+    def __init__(self, params, lr: float = 1e-3, momentum: float = 0.0, weight_decay: float = 0.0,
+                 impl: str = "auto"):
+        if lr < 0 or weight_decay < 0 or not 0.0 <= momentum < 1.0:
+            raise ValueError(f"invalid SGD settings: lr={lr}, momentum={momentum}, weight_decay={weight_decay} "
+                             "(need lr, decay >= 0 and momentum in [0, 1))")
+        super().__init__(params, dict(lr=lr, momentum=momentum, weight_decay=weight_decay), impl)
+
+    def _step_group(self, group: dict) -> None:
+        params, grads, names = self._live(group)
+        if not params:
+            return
+        lr, mu, wd = group["lr"], group["momentum"], group["weight_decay"]
+        # Plain SGD keeps no state at all (state_elements_per_param("sgd") == 0).
+        bufs = [self._state(p, "momentum_buffer")[0] for p in params] if mu else [None] * len(params)
+        if mu:
+            self._advance_step(params)
+        updates = []
+        for ps, gs, bs in self._chunks(group, params, grads, bufs):
+            d = torch._foreach_add(gs, ps, alpha=wd) if wd else gs
+            if mu:
+                torch._foreach_mul_(bs, mu)
+                torch._foreach_add_(bs, d)
+                d = bs
+            updates.extend(torch._foreach_mul(d, -lr))  # a new list: Δw never aliases grad or buffer
+        self._apply(group, params, updates, names)
