@@ -21,7 +21,9 @@ from tqdm import tqdm
 
 from zerolab import dist as zdist
 from zerolab.config import Config, global_batch, to_dict, validate
+from zerolab.checkpoint import Checkpointer, model_layout
 from zerolab.data import WindowSampler, build_data
+from zerolab.fault import FaultInjector, ProgressBoard
 from zerolab.memory import process_memory
 from zerolab.metrics import MetricsSink
 from zerolab.models import build_model, count_params, lm_loss, param_groups
@@ -78,6 +80,11 @@ class Trainer:
         self.sampler = WindowSampler(n_windows, t.seed, cfg.data.micro_batch, t.grad_accum_steps, ctx.world_size)
         self.schedule = LRSchedule.from_config(cfg.optim, self.global_batch, t.max_steps)
         self.start_step = 0
+        self.fault = FaultInjector(cfg.fault, ctx.rank, ctx.world_size)
+        self.progress = ProgressBoard(ctx.rank, ctx.world_size)  # names a rank that stops
+        self.checkpointer = Checkpointer(cfg, ctx, self.run_dir, model_layout(model))
+        if cfg.checkpoint.resume:  # weights, optimizer state, RNG, loss scale; data and LR follow the step
+            self.start_step = self.checkpointer.resume(self.strategy, self.schedule, self.sampler)
         self.metrics = MetricsSink(self.run_dir, cfg.logging, ctx.is_main, cfg.experiment,
                                    cfg.strategy.name, to_dict(cfg))
         if ctx.is_main:
@@ -126,6 +133,8 @@ class Trainer:
                    dynamic_ncols=True, desc=cfg.strategy.name)
         per_rank: list[dict] = []
         for step in range(self.start_step, t.max_steps):
+            self.fault.before_step(step)
+            self.progress.starting(step)
             ctx.synchronize()
             t0 = time.perf_counter()
             local_loss, lr, info = self.train_step(step)
@@ -150,6 +159,8 @@ class Trainer:
                 self.metrics.log(record)
                 bar.set_postfix(loss=f"{loss:.4f}", step_s=f"{dt:.3f}")
             bar.update(1)
+            if cfg.checkpoint.every and (step + 1) % cfg.checkpoint.every == 0:
+                self.checkpointer.save(step + 1, self.strategy, self.schedule, self.sampler)
         bar.close()
         summary = self.finish(loss, eval_loss, step_times, per_rank)
         return summary
@@ -203,7 +214,13 @@ def run(dcfg: DictConfig | Config) -> Optional[dict]:
     ctx = zdist.init(cfg.dist)
     if not ctx.is_main:
         logging.getLogger().setLevel(logging.WARNING)
+    trainer = None
     try:
-        return Trainer(cfg, ctx).fit()
+        trainer = Trainer(cfg, ctx)
+        return trainer.fit()
+    except RuntimeError as err:
+        if trainer is not None:
+            trainer.progress.blame(err)  # raises naming the rank that stopped, if one did
+        raise
     finally:
         zdist.shutdown(ctx)

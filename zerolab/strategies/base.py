@@ -90,7 +90,11 @@ class Strategy(abc.ABC):
         raise NotImplementedError(f"strategy {self.name} cannot write zerolab checkpoints yet")
 
     def load_checkpoint_state(self, read: "Callable[[str, int, int], torch.Tensor]") -> None:
-        """`read(key, start, end)` returns elements [start, end) of the flattened tensor `key`."""
+        """`read(key, start, end)` returns elements [start, end) of the flattened tensor `key`.
+        `read` is a zerolab.checkpoint.PieceReader: `read.kinds(name)` also lists the optimizer-state
+        kinds saved for parameter `name`, for optimizers that create their state lazily (torch's).
+        The optimizer's scalar state (Adam's `step`), the loss scaler, RNG and `step_count` are
+        restored by zerolab.checkpoint after this returns; strategies load tensors only."""
         raise NotImplementedError(f"strategy {self.name} cannot load zerolab checkpoints yet")
 
     # ---- shared helpers --------------------------------------------------------------------

@@ -15,7 +15,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from zerolab.memory import StorageCounter
 from zerolab.precision import MasterCopy
-from zerolab.strategies.base import OptimizerFactory, StepInfo, Strategy
+from zerolab.strategies.base import OptimizerFactory, ShardPiece, StepInfo, Strategy
 
 
 def _counting_allreduce(state, bucket):
@@ -94,3 +94,29 @@ class DDPStrategy(Strategy):
             src = master.get(id(t), t)
             out[name] = src.detach().float().cpu().clone()
         return out
+
+    # ---- checkpoints: every rank holds the same full state, so rank 0 alone writes it ----------
+    def checkpoint_state(self) -> dict[str, ShardPiece]:
+        if not self.ctx.is_main:
+            return {}
+        out = {}
+        for name, p in zip(self.names, self._optimizer_params()):
+            shape, n = tuple(p.shape), p.numel()
+            out[f"master/{name}"] = ShardPiece(p.detach().reshape(-1), 0, n, shape)
+            for kind, v in self.optimizer.state.get(p, {}).items():
+                if isinstance(v, torch.Tensor) and v.ndim > 0:  # scalars (Adam's step) go to metadata
+                    out[f"{kind}/{name}"] = ShardPiece(v.detach().reshape(-1), 0, n, shape)
+        return out
+
+    @torch.no_grad()
+    def load_checkpoint_state(self, read) -> None:
+        """Every rank reads the whole of every tensor. torch's optimizers create state lazily, so
+        the state entries are created here from the kinds the checkpoint holds."""
+        for name, p in zip(self.names, self._optimizer_params()):
+            n = p.numel()
+            p.copy_(read(f"master/{name}", 0, n).view(p.shape))
+            state = self.optimizer.state[p]
+            for kind in read.kinds(name):
+                state[kind] = read(f"{kind}/{name}", 0, n).view(p.shape).to(device=p.device, dtype=p.dtype)
+        if self.master:
+            self.master.master_to_model()

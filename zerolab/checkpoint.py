@@ -1,0 +1,538 @@
+"""Checkpoints: sharded, name-keyed, atomic, reshardable; export for inference.
+
+On disk (checkpoint.dir, default <run dir>/checkpoints):
+
+  step_00000020/
+    meta.json            written by rank 0: step, world size, strategy, precision, optimizer,
+                         config, LR schedule, loss scaler, sampler position, optimizer scalars
+                         (the step counter), versions, the piece index, and the sha256 and size
+                         of every rank file
+    rank0.safetensors    rank r's pieces "<kind>/<param>@<start>:<end>": elements [start, end)
+    rank1.safetensors    of the flattened tensor (kind = master | exp_avg | ...), plus that
+    ...                  rank's RNG state as "rng/cpu" (and "rng/cuda")
+  latest                 "step_00000020", replaced last
+  .tmp-step_00000030/    a save in progress, or one a crash interrupted: never read
+
+A save writes everything into the .tmp- directory, fsyncs every file and the directory, renames
+the directory into place, and only then replaces `latest`; a crash at any point leaves the
+previous checkpoint intact. Loading asks the strategy which element ranges it owns now and
+assembles each from whatever pieces were saved, so N ranks of ddp/zero1/zero2 load into M ranks
+of any of them. Tensors are read with safetensors and metadata is JSON: nothing is unpickled.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import hashlib
+import json
+import logging
+import math
+import os
+import re
+import shutil
+import struct
+import sys
+from dataclasses import asdict
+from typing import Callable, Iterable, Optional
+
+import torch
+
+log = logging.getLogger("zerolab")
+
+FORMAT = "zerolab-checkpoint"
+FORMAT_VERSION = 1
+RESHARDABLE = ("ddp", "zero1", "zero2")  # strategies whose checkpoints share this piece format
+META, LATEST = "meta.json", "latest"
+_STEP_RE = re.compile(r"^step_(\d{8,})$")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be used; the message names the file and the mismatch."""
+
+
+# ---- safetensors, written one tensor at a time ---------------------------------------------------
+# safetensors' own save_file needs every tensor in memory at once (and refuses views that share
+# storage). Its format is simple: an 8-byte little-endian header length, a JSON header giving
+# each tensor's dtype, shape and byte range, then the raw bytes. Writing it ourselves lets a rank
+# stream its pieces, and lets export hold one tensor at a time.
+_ST_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
+              torch.uint8: "U8", torch.int8: "I8", torch.int32: "I32", torch.int64: "I64", torch.bool: "BOOL"}
+EXPORT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def write_safetensors(path: str, entries: list[tuple[str, torch.dtype, tuple, Callable[[], torch.Tensor]]],
+                      metadata: Optional[dict] = None) -> dict:
+    """entries: (name, dtype, shape, produce); produce() is called once, in order, just before its
+    bytes are written. Returns {"sha256", "bytes"} of the file, which is fsynced."""
+    header, offset = {}, 0
+    for name, dtype, shape, _ in entries:
+        n = math.prod(shape) * dtype.itemsize
+        header[name] = {"dtype": _ST_DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + n]}
+        offset += n
+    if metadata:
+        header["__metadata__"] = {k: str(v) for k, v in metadata.items()}
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)  # the data section starts 8-byte aligned
+    digest, size = hashlib.sha256(), 0
+    with open(path, "wb") as fh:
+        for chunk_src in (struct.pack("<Q", len(blob)), blob):
+            fh.write(chunk_src)
+            digest.update(chunk_src)
+            size += len(chunk_src)
+        for name, dtype, shape, produce in entries:
+            t = produce().detach().to("cpu").contiguous()
+            if t.dtype != dtype or tuple(t.shape) != tuple(shape):
+                raise CheckpointError(f"{path}: tensor {name} changed to {t.dtype} {tuple(t.shape)} while saving")
+            raw = memoryview(t.reshape(-1).view(torch.uint8).numpy())
+            fh.write(raw)
+            digest.update(raw)
+            size += raw.nbytes
+            del t, raw
+        fh.flush()
+        os.fsync(fh.fileno())
+    return {"sha256": digest.hexdigest(), "bytes": size}
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_text_atomic(path: str, text: str) -> None:
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as fh:
+        fh.write(text)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(os.path.dirname(path))
+
+
+def _sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+# ---- what a model and an optimizer look like ------------------------------------------------------
+def model_layout(model: torch.nn.Module) -> dict:
+    """Parameter names and shapes, tied aliases (a second name of one parameter) and state-dict order."""
+    params = {n: list(p.shape) for n, p in model.named_parameters() if p.requires_grad}
+    by_id = {id(p): n for n, p in model.named_parameters()}
+    aliases, buffers = {}, []
+    keys = list(model.state_dict(keep_vars=True).keys())
+    for key, t in model.state_dict(keep_vars=True).items():
+        if key in params:
+            continue
+        if id(t) in by_id:
+            aliases[key] = by_id[id(t)]
+        else:
+            buffers.append(key)
+    return {"params": params, "aliases": aliases, "state_dict_keys": keys, "buffers": buffers}
+
+
+def optimizer_scalars(optimizer: torch.optim.Optimizer) -> dict:
+    """Per-parameter scalar state (Adam's `step`); it must agree across parameters."""
+    found: dict[str, dict] = {}
+    for state in optimizer.state.values():
+        for key, v in state.items():
+            if isinstance(v, torch.Tensor) and v.ndim > 0:
+                continue
+            rec = {"value": float(v), "tensor": isinstance(v, torch.Tensor),
+                   "dtype": str(v.dtype).removeprefix("torch.") if isinstance(v, torch.Tensor) else type(v).__name__}
+            if key in found and found[key]["value"] != rec["value"]:
+                raise CheckpointError(f"optimizer scalar state {key!r} differs between parameters "
+                                      f"({found[key]['value']} vs {rec['value']}); zerolab checkpoints store one value")
+            found[key] = rec
+    return found
+
+
+def restore_optimizer_scalars(optimizer: torch.optim.Optimizer, scalars: dict) -> None:
+    for state in optimizer.state.values():
+        for key, rec in scalars.items():
+            if rec["tensor"]:
+                state[key] = torch.tensor(rec["value"], dtype=getattr(torch, rec["dtype"]))
+            else:
+                state[key] = int(rec["value"]) if rec["dtype"] == "int" else rec["value"]
+
+
+def _rng_tensors(device: torch.device) -> dict[str, torch.Tensor]:
+    out = {"rng/cpu": torch.get_rng_state()}
+    if device.type == "cuda":
+        out["rng/cuda"] = torch.cuda.get_rng_state(device)
+    return out
+
+
+# ---- reading -------------------------------------------------------------------------------------
+class PieceReader:
+    """`read(key, start, end)` for Strategy.load_checkpoint_state: elements [start, end) of the
+    flattened tensor `key`, assembled from the pieces of whichever ranks saved them. Reads only
+    the bytes asked for (safetensors slices of memory-mapped files)."""
+
+    def __init__(self, path: str, meta: dict):
+        self.path, self.index = path, meta["pieces"]
+        self._files: dict = {}
+        self._kinds: dict[str, list[str]] = {}
+        for key in self.index:
+            kind, name = key.split("/", 1)
+            if kind != "master":
+                self._kinds.setdefault(name, []).append(kind)
+
+    def kinds(self, name: str) -> list[str]:
+        """Optimizer-state kinds saved for parameter `name` (for optimizers that create state lazily)."""
+        return list(self._kinds.get(name, []))
+
+    def file(self, fname: str):
+        from safetensors import safe_open
+
+        if fname not in self._files:
+            full = os.path.join(self.path, fname)
+            try:
+                self._files[fname] = safe_open(full, framework="pt", device="cpu")
+            except Exception as err:  # safetensors raises its own error types for bad headers
+                raise CheckpointError(f"{full}: not a readable safetensors file ({err})") from err
+        return self._files[fname]
+
+    def __call__(self, key: str, start: int, end: int) -> torch.Tensor:
+        pieces = self.index.get(key)
+        if pieces is None:
+            raise CheckpointError(f"{self.path}: the checkpoint has no {key!r} (saved keys look like "
+                                  f"{next(iter(self.index), '?')!r})")
+        out = torch.empty(end - start, dtype=getattr(torch, pieces[0]["dtype"]))
+        covered = 0
+        for pc in pieces:
+            lo, hi = max(start, pc["start"]), min(end, pc["end"])
+            if lo >= hi:
+                continue
+            out[lo - start:hi - start] = self.file(pc["file"]).get_slice(pc["tensor"])[lo - pc["start"]:hi - pc["start"]]
+            covered += hi - lo
+        if covered != end - start:
+            raise CheckpointError(f"{self.path}: elements [{start}, {end}) of {key!r} are not all in the checkpoint")
+        return out
+
+    def rng(self, rank: int) -> dict[str, torch.Tensor]:
+        f = self.file(f"rank{rank}.safetensors")
+        return {k: f.get_tensor(k) for k in f.keys() if k.startswith("rng/")}
+
+
+def read_meta(path: str) -> dict:
+    mpath = os.path.join(path, META)
+    if not os.path.exists(mpath):
+        raise CheckpointError(f"{mpath} is missing: {path} is not a complete zerolab checkpoint")
+    try:
+        with open(mpath) as fh:
+            meta = json.load(fh)
+    except (OSError, ValueError) as err:
+        raise CheckpointError(f"{mpath} is not readable JSON ({err}); the checkpoint is corrupt") from err
+    if meta.get("format") != FORMAT:
+        raise CheckpointError(f"{mpath}: format {meta.get('format')!r} is not {FORMAT!r}")
+    version = meta.get("format_version")
+    if not isinstance(version, int) or version > FORMAT_VERSION:
+        raise CheckpointError(f"{mpath}: format version {version} is newer than this zerolab reads "
+                              f"({FORMAT_VERSION}); load it with the zerolab version that wrote it "
+                              f"({meta.get('versions', {}).get('zerolab', '?')}) or newer")
+    return meta
+
+
+def verify(path: str, checksums: bool = True) -> dict:
+    """Metadata readable, every rank file present with its recorded size and sha256."""
+    meta = read_meta(path)
+    for fname, info in meta["files"].items():
+        full = os.path.join(path, fname)
+        if not os.path.exists(full):
+            raise CheckpointError(f"{full} is missing (shard of rank {info['rank']} of {meta['world_size']})")
+        size = os.path.getsize(full)
+        if size != info["bytes"]:
+            raise CheckpointError(f"{full} has {size} bytes, the checkpoint recorded {info['bytes']}: truncated or corrupt")
+        if checksums and _sha256(full) != info["sha256"]:
+            raise CheckpointError(f"{full}: sha256 does not match the one recorded in {META}: corrupt")
+    return meta
+
+
+def list_checkpoints(root: str) -> list[str]:
+    """Complete-looking checkpoint directories under root, newest step first."""
+    if not os.path.isdir(root):
+        return []
+    found = [(int(m.group(1)), os.path.join(root, d)) for d in os.listdir(root) if (m := _STEP_RE.match(d))]
+    return [p for _, p in sorted(found, reverse=True)]
+
+
+def newest_good(root: str, say: Callable[[str], None] = log.warning) -> Optional[str]:
+    """The newest checkpoint under root that verifies; says which ones it skipped and why."""
+    skipped = []
+    for path in list_checkpoints(root):
+        try:
+            verify(path)
+        except CheckpointError as err:
+            say(f"checkpoint {path} is unusable: {err}")
+            skipped.append(path)
+            continue
+        if skipped:
+            say(f"falling back to {path}, the newest good checkpoint (skipped {len(skipped)} newer)")
+        return path
+    if skipped:
+        raise CheckpointError(f"no usable checkpoint in {root}: all {len(skipped)} failed verification (see above)")
+    return None
+
+
+def resolve(path: str) -> str:
+    """A step directory as given, or the newest good one in a checkpoints directory."""
+    if os.path.exists(os.path.join(path, META)) or _STEP_RE.match(os.path.basename(os.path.normpath(path))):
+        return path
+    if os.path.isdir(path):
+        found = newest_good(path)
+        if found:
+            return found
+    raise CheckpointError(f"{path} is neither a checkpoint (no {META}) nor a directory holding step_* checkpoints")
+
+
+def _check_compatible(meta: dict, path: str, cfg, strategy, layout: dict) -> None:
+    """Everything that can be checked before a single tensor is touched."""
+    from zerolab.strategies.base import Strategy
+
+    where = os.path.join(path, META)
+    if meta["strategy"] not in RESHARDABLE:
+        raise CheckpointError(f"{where}: written by strategy {meta['strategy']!r}; zerolab's format loads across "
+                              f"{', '.join(RESHARDABLE)} only")
+    if type(strategy).load_checkpoint_state is Strategy.load_checkpoint_state:
+        raise CheckpointError(f"strategy={cfg.strategy.name} cannot load zerolab checkpoints; resume {path} with "
+                              f"one of {', '.join(RESHARDABLE)}")
+    if meta["optimizer"] != cfg.optim.name:
+        raise CheckpointError(f"{where}: optimizer state is for optim={meta['optimizer']}, this run uses "
+                              f"optim={cfg.optim.name}; resume with optim={meta['optimizer']}")
+    saved, mine = meta["params"], layout["params"]
+    problems = [f"{n}: missing from the checkpoint" for n in mine if n not in saved]
+    problems += [f"{n}: in the checkpoint but not in this model" for n in saved if n not in mine]
+    problems += [f"{n}: shape {saved[n]} in the checkpoint, {mine[n]} in this model"
+                 for n in mine if n in saved and saved[n] != mine[n]]
+    if problems:
+        raise CheckpointError(f"{where}: the checkpoint is for another model (model={meta['config']['model']['name']}): "
+                              + "; ".join(problems[:6]) + (f"; ... {len(problems) - 6} more" if len(problems) > 6 else ""))
+    for key, pieces in meta["pieces"].items():
+        name = key.split("/", 1)[1]
+        at = 0
+        for pc in sorted(pieces, key=lambda p: p["start"]):
+            if pc["start"] != at:
+                raise CheckpointError(f"{where}: pieces of {key!r} leave a gap or overlap at element {at}")
+            at = pc["end"]
+        if at != math.prod(saved[name]):
+            raise CheckpointError(f"{where}: pieces of {key!r} end at element {at} of {math.prod(saved[name])}")
+    missing = [n for n in mine if f"master/{n}" not in meta["pieces"]]
+    if missing:
+        raise CheckpointError(f"{where}: no master weights for {', '.join(missing[:5])}")
+
+
+# ---- save / resume during training -----------------------------------------------------------------
+class Checkpointer:
+    def __init__(self, cfg, ctx, run_dir: str, layout: dict):
+        self.cfg, self.ctx, self.layout = cfg, ctx, layout
+        self.dir = os.path.abspath(cfg.checkpoint.dir or os.path.join(run_dir, "checkpoints"))
+
+    def save(self, step: int, strategy, schedule, sampler) -> str:
+        """Collective. Every rank writes its pieces; rank 0 writes meta.json and publishes."""
+        ctx, name = self.ctx, f"step_{step:08d}"
+        tmp, final = os.path.join(self.dir, f".tmp-{name}"), os.path.join(self.dir, name)
+        if self.layout["buffers"]:
+            raise CheckpointError(f"model buffers {self.layout['buffers']} are not saved by zerolab checkpoints yet")
+        if ctx.is_main:
+            os.makedirs(self.dir, exist_ok=True)
+            shutil.rmtree(tmp, ignore_errors=True)
+            os.makedirs(tmp)
+        ctx.barrier()
+        pieces = strategy.checkpoint_state()
+        entries, index = [], []
+        for key, pc in sorted(pieces.items()):
+            tname = f"{key}@{pc.start}:{pc.end}"
+            entries.append((tname, pc.tensor.dtype, (pc.end - pc.start,), lambda t=pc.tensor: t.reshape(-1)))
+            index.append({"key": key, "tensor": tname, "start": pc.start, "end": pc.end, "shape": list(pc.shape),
+                          "dtype": str(pc.tensor.dtype).removeprefix("torch.")})
+        for key, t in _rng_tensors(ctx.device).items():
+            entries.append((key, t.dtype, tuple(t.shape), lambda t=t: t))
+        fname = f"rank{ctx.rank}.safetensors"
+        info = write_safetensors(os.path.join(tmp, fname), entries, {"format": FORMAT, "rank": ctx.rank, "step": step})
+        del pieces, entries
+        report = {"file": fname, "rank": ctx.rank, **info, "pieces": index,
+                  "scalars": optimizer_scalars(strategy.optimizer)}
+        reports = ctx.gather_objects(report)
+        if ctx.is_main:
+            meta = self._meta(step, strategy, schedule, sampler, reports)
+            _write_text_atomic(os.path.join(tmp, META), json.dumps(meta, indent=1))
+            _fsync_dir(tmp)
+            if os.path.exists(final):  # the same step saved again (a resumed run): swap it out
+                old = os.path.join(self.dir, f".old-{name}")
+                shutil.rmtree(old, ignore_errors=True)
+                os.rename(final, old)
+            os.rename(tmp, final)
+            _fsync_dir(self.dir)
+            _write_text_atomic(os.path.join(self.dir, LATEST), name + "\n")
+            self._prune()
+            log.info("checkpoint: step %d saved to %s", step, final)
+        ctx.barrier()
+        return final
+
+    def _meta(self, step, strategy, schedule, sampler, reports) -> dict:
+        import safetensors
+
+        import zerolab
+        from zerolab.config import to_dict
+
+        cfg, pieces, shapes = self.cfg, {}, self.layout["params"]
+        for r in reports:
+            for pc in r["pieces"]:
+                name = pc["key"].split("/", 1)[1]
+                if shapes.get(name) != pc["shape"]:
+                    raise CheckpointError(f"rank {r['rank']} saved {pc['key']} with shape {pc['shape']}, "
+                                          f"the model has {shapes.get(name)}")
+                pieces.setdefault(pc["key"], []).append(
+                    {"file": r["file"], "tensor": pc["tensor"], "start": pc["start"], "end": pc["end"], "dtype": pc["dtype"]})
+        scalars = next((r["scalars"] for r in reports if r["scalars"]), {})
+        return {
+            "format": FORMAT, "format_version": FORMAT_VERSION, "step": step,
+            "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "world_size": self.ctx.world_size, "strategy": cfg.strategy.name, "precision": cfg.precision.name,
+            "optimizer": cfg.optim.name, "config": to_dict(cfg),
+            "versions": {"zerolab": zerolab.__version__, "torch": torch.__version__, "safetensors": safetensors.__version__},
+            "lr_schedule": {**asdict(schedule), "next_lr": schedule(step)},
+            "loss_scaler": strategy.precision.scaler.state_dict(),
+            "sampler": {"next_step": step, "seed": sampler.seed, "global_batch": sampler.global_batch},
+            "optimizer_scalars": scalars,
+            **self.layout, "pieces": pieces,
+            "files": {r["file"]: {"rank": r["rank"], "bytes": r["bytes"], "sha256": r["sha256"]} for r in reports},
+        }
+
+    def _prune(self) -> None:
+        keep = self.cfg.checkpoint.keep_last
+        for path in (list_checkpoints(self.dir)[keep:] if keep > 0 else []):
+            shutil.rmtree(path, ignore_errors=True)
+        for d in os.listdir(self.dir):  # leftovers of saves a crash interrupted
+            if d.startswith((".tmp-", ".old-")):
+                shutil.rmtree(os.path.join(self.dir, d), ignore_errors=True)
+
+    def resume(self, strategy, schedule, sampler) -> int:
+        """Collective. Loads the checkpoint chosen by checkpoint.resume; returns the step to start at.
+        Rank 0 picks and verifies it; every rank checks compatibility before any state changes."""
+        ctx, cfg, want = self.ctx, self.cfg, self.cfg.checkpoint.resume
+        choice = None
+        if ctx.is_main:
+            try:
+                if want == "auto":
+                    path = newest_good(self.dir)
+                    if path is None:
+                        log.info("checkpoint.resume=auto: no checkpoint in %s, starting at step 0", self.dir)
+                    else:
+                        log.info("checkpoint.resume=auto: resuming from %s", path)
+                else:
+                    path = resolve(want)
+                    verify(path)
+                choice = ("ok", path)
+            except CheckpointError as err:
+                choice = ("error", str(err))
+        status, value = ctx.broadcast_object(choice)
+        if status == "error":
+            raise CheckpointError(value)
+        if value is None:
+            return 0
+        path = value
+        meta = read_meta(path)
+        _check_compatible(meta, path, cfg, strategy, self.layout)
+        step = int(meta["step"])
+        self._note_differences(meta, schedule, sampler)
+
+        reader = PieceReader(path, meta)
+        strategy.load_checkpoint_state(reader)
+        restore_optimizer_scalars(strategy.optimizer, meta["optimizer_scalars"])
+        strategy.step_count = step
+        scaler = strategy.precision.scaler
+        if scaler.enabled and meta["precision"] == "fp16":
+            scaler.load_state_dict(meta["loss_scaler"])
+        if meta["world_size"] == ctx.world_size:
+            rng = reader.rng(ctx.rank)
+            torch.set_rng_state(rng["rng/cpu"])
+            if "rng/cuda" in rng and ctx.device.type == "cuda":
+                torch.cuda.set_rng_state(rng["rng/cuda"], ctx.device)
+        else:
+            torch.manual_seed(cfg.trainer.seed + 1 + ctx.rank + 1_000_003 * step)
+            if ctx.is_main:
+                log.warning("checkpoint: saved with %d ranks, resumed with %d: dropout RNG streams are re-seeded, "
+                            "so the run is not bitwise identical to one that never stopped", meta["world_size"], ctx.world_size)
+        if ctx.is_main:
+            log.info("checkpoint: resumed at step %d from %s (%s, %d ranks -> %s, %d ranks)", step, path,
+                     meta["strategy"], meta["world_size"], cfg.strategy.name, ctx.world_size)
+        ctx.barrier()
+        return step
+
+    def _note_differences(self, meta: dict, schedule, sampler) -> None:
+        if not self.ctx.is_main:
+            return
+        saved = {k: v for k, v in meta["lr_schedule"].items() if k != "next_lr"}
+        if saved != asdict(schedule):
+            log.warning("checkpoint: the LR schedule differs from the checkpoint's (%s now, %s saved); "
+                        "continuing with the new one", asdict(schedule), saved)
+        if meta["sampler"]["global_batch"] != sampler.global_batch or meta["sampler"]["seed"] != sampler.seed:
+            log.warning("checkpoint: global batch or seed changed (%s saved); the data order after the resume "
+                        "differs from the original run's", meta["sampler"])
+        if meta["precision"] != self.cfg.precision.name:
+            log.warning("checkpoint: saved in precision=%s, resumed in precision=%s (fp32 master weights carry over)",
+                        meta["precision"], self.cfg.precision.name)
+
+
+# ---- export for inference -------------------------------------------------------------------------
+def export(ckpt: str, out: str, dtype: str = "fp32") -> dict:
+    """Consolidated weights without optimizer state, one tensor in memory at a time."""
+    if dtype not in EXPORT_DTYPES:
+        raise CheckpointError(f"--dtype {dtype} is not one of {', '.join(EXPORT_DTYPES)}")
+    path = resolve(ckpt)
+    meta = verify(path)
+    reader, target = PieceReader(path, meta), EXPORT_DTYPES[dtype]
+    stats = {"peak_tensor_bytes": 0}
+
+    def produce(name: str, shape: list):
+        def run():
+            t = reader(f"master/{name}", 0, math.prod(shape)).view(shape)
+            cast = t.to(target)
+            held = t.nbytes + (cast.nbytes if cast.data_ptr() != t.data_ptr() else 0)
+            stats["peak_tensor_bytes"] = max(stats["peak_tensor_bytes"], held)
+            return cast
+        return run
+
+    params = meta["params"]
+    names = [k for k in meta["state_dict_keys"] if k in params]  # tied aliases are written once
+    entries = [(n, target, tuple(params[n]), produce(n, params[n])) for n in names]
+    tmp = f"{out}.tmp"
+    os.makedirs(os.path.dirname(os.path.abspath(out)) or ".", exist_ok=True)
+    info = write_safetensors(tmp, entries, {"format": "zerolab-export", "step": meta["step"], "dtype": dtype,
+                                            "tied": json.dumps(meta["aliases"]), "model": meta["config"]["model"]["name"]})
+    os.replace(tmp, out)
+    ckpt_bytes = sum(f["bytes"] for f in meta["files"].values())
+    largest = max(math.prod(s) for s in params.values()) * 4
+    return {"checkpoint": path, "out": out, "step": meta["step"], "tensors": len(entries), "dtype": dtype,
+            "checkpoint_bytes": ckpt_bytes, "export_bytes": info["bytes"], "largest_fp32_tensor_bytes": largest,
+            **stats, "tied": meta["aliases"]}
+
+
+def export_main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="python -m zerolab export",
+                                description="consolidate a zerolab checkpoint into one safetensors file for inference")
+    p.add_argument("ckpt", help="a step_* checkpoint directory, or a checkpoints directory (newest good one)")
+    p.add_argument("--out", required=True, help="output .safetensors path")
+    p.add_argument("--dtype", default="fp32", choices=sorted(EXPORT_DTYPES))
+    args = p.parse_args(argv)
+    try:
+        r = export(args.ckpt, args.out, args.dtype)
+    except CheckpointError as err:
+        print(f"zerolab export: {err}", file=sys.stderr)
+        return 1
+    print(f"exported step {r['step']} from {r['checkpoint']}: {r['tensors']} tensors ({r['dtype']}) -> {r['out']}")
+    print(f"size: checkpoint {r['checkpoint_bytes'] / 2**20:.2f} MiB -> export {r['export_bytes'] / 2**20:.2f} MiB "
+          f"({r['checkpoint_bytes'] / max(r['export_bytes'], 1):.1f}x smaller: no optimizer state, no RNG)")
+    print(f"largest tensor held at once: {r['peak_tensor_bytes']} bytes "
+          f"(largest parameter in fp32: {r['largest_fp32_tensor_bytes']} bytes)")
+    if r["tied"]:
+        print(f"tied weights written once: {r['tied']} (load with strict=False, or re-tie)")
+    print(json.dumps(r))
+    return 0
