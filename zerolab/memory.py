@@ -66,3 +66,542 @@ def process_memory(device: torch.device) -> dict[str, int]:
             "cuda_ooms": stats.get("num_ooms", 0),
         })
     return out
+
+
+# =============================================================================================
+# The predicted side: what each strategy should hold per rank, term by term.
+#
+# Notation: Ψ parameters, N data-parallel ranks, c bytes per compute-dtype element (4 fp32,
+# 2 bf16/fp16), k optimizer-state elements per parameter (measured from the optimizer), s bytes
+# per state element (the dtype of the tensors the optimizer updates).
+# Every term carries a sentence saying where it comes from, so the CLI can print the ledger and
+# a run can hold each category against what its strategy measures.
+# =============================================================================================
+import logging
+import math
+import os
+from dataclasses import dataclass, field
+
+log = logging.getLogger(__name__)
+
+COMPUTE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "bf16_pure": 2}
+MIXED = ("bf16", "fp16")  # precisions with an fp32 master copy
+PREDICTED_STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "deepspeed", "fsdp")
+DS_PERSISTENCE_THRESHOLD = 100_000  # DeepSpeed stage 3: params this small stay whole on every rank
+GB, GIB = 1e9, 2 ** 30
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the ledger needs from a model: every trainable tensor's param group and shape, in
+    registration order (model.parameters()), which is the order sharders pack buckets in."""
+    name: str
+    tensors: tuple  # ((group index, shape), ...)
+    buffer_bytes: int = 0
+
+    @property
+    def shapes(self) -> list[tuple]:
+        return [s for _, s in self.tensors]
+
+    @property
+    def group_numels(self) -> list[int]:
+        out = [0] * (1 + max(g for g, _ in self.tensors))
+        for g, s in self.tensors:
+            out[g] += math.prod(s)
+        return out
+
+    @property
+    def n_params(self) -> int:
+        return sum(math.prod(s) for _, s in self.tensors)
+
+
+def shape_from_params(n: float) -> ModelShape:
+    """A bare parameter count: one group holding one flat tensor."""
+    n = int(round(float(n)))
+    if n <= 0:
+        raise ValueError(f"--params must be a positive number of parameters, got {n}")
+    return ModelShape(f"{n:.3g} params", ((0, (n,)),))
+
+
+def shape_from_model(model, weight_decay: float = 0.1, name: str = "model") -> ModelShape:
+    """Groups as zerolab builds them (zerolab.models.param_groups): decay and no-decay tensors."""
+    from zerolab.models import param_groups
+
+    group_of = {id(p): gi for gi, g in enumerate(param_groups(model, weight_decay)) for p in g["params"]}
+    tensors = tuple((group_of[id(p)], tuple(p.shape)) for p in model.parameters() if id(p) in group_of)
+    buffers = sum(b.numel() * b.element_size() for b in model.buffers())
+    return ModelShape(name, tensors, buffers)
+
+
+def load_model_config(name: str):
+    """conf/model/<name>.yaml merged onto zerolab's ModelConfig (defaults and types apply)."""
+    from omegaconf import OmegaConf
+
+    from zerolab.config import ModelConfig
+
+    conf_dir = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf", "model")
+    path = os.path.join(conf_dir, f"{name}.yaml")
+    if not os.path.exists(path):
+        known = sorted(f[:-5] for f in os.listdir(conf_dir) if f.endswith(".yaml"))
+        raise ValueError(f"no model config {path}; known models: {', '.join(known)}")
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), OmegaConf.load(path)))
+
+
+def shape_from_model_config(mcfg, weight_decay: float = 0.1) -> ModelShape:
+    """Build the model on the meta device (no memory is allocated) and read its shapes."""
+    from zerolab.models import build_model
+
+    return shape_from_model(build_model(mcfg, device="meta"), weight_decay, mcfg.name)
+
+
+# ---- optimizer state per parameter (measured, not tabulated) ---------------------------------
+def optimizer_state_elements(optim: str) -> float:
+    """Optimizer-state elements per parameter, measured on a tiny instance: by
+    zerolab.optim.state_elements_per_param where it exists, else here with build_optimizer
+    (one step on a small tensor, counting state tensors as the ledger's measured side does)."""
+    import torch
+
+    with torch.random.fork_rng(devices=[]):  # never disturb the caller's random stream
+        try:
+            from zerolab.optim import state_elements_per_param
+        except ImportError:
+            return _measure_state_elements(optim)
+        try:
+            return float(state_elements_per_param(optim))
+        except (NotImplementedError, KeyError, ValueError) as e:
+            raise NotImplementedError(f"cannot measure the optimizer state of optim={optim}: {e}") from e
+
+
+def _measure_state_elements(optim: str) -> float:
+    import torch
+
+    from zerolab.config import OptimConfig
+    from zerolab.optim import build_optimizer
+
+    p = torch.nn.Parameter(torch.ones(4, 8))
+    try:
+        opt = build_optimizer(OptimConfig(name=optim), [{"params": [p], "weight_decay": 0.0}])
+    except NotImplementedError as e:
+        raise NotImplementedError(f"optim={optim}: build_optimizer cannot build it yet, so its state "
+                                  f"cannot be measured ({e})") from e
+    p.grad = torch.full_like(p, 0.5)
+    opt.step()
+    c = StorageCounter().add_optimizer(opt)
+    return c.bytes["optim_state"] / (p.numel() * p.element_size())
+
+
+# ---- one prediction ------------------------------------------------------------------------
+@dataclass
+class Term:
+    category: str  # one of CATEGORIES, or "transient" (exists only during part of the step)
+    bytes: int
+    what: str
+
+
+@dataclass
+class Prediction:
+    strategy: str  # ddp | zero1 | zero2 | zero3 | deepspeed-<stage> | fsdp
+    precision: str
+    optim: str
+    world: int
+    model: str
+    n_params: int
+    state_elements: float
+    terms: list = field(default_factory=list)
+    notes: list = field(default_factory=list)
+
+    def add(self, category: str, nbytes: float, what: str) -> None:
+        self.terms.append(Term(category, int(math.ceil(nbytes)), what))
+
+    def bytes(self) -> dict[str, int]:
+        """Same keys as StorageCounter.result(), so predicted and measured line up."""
+        out = {c: 0 for c in CATEGORIES}
+        for t in self.terms:
+            if t.category in out:
+                out[t.category] += t.bytes
+        out["model_states"] = sum(out[c] for c in MODEL_STATES)
+        out["total"] = sum(out[c] for c in CATEGORIES)
+        return out
+
+    @property
+    def transient_bytes(self) -> int:
+        return sum(t.bytes for t in self.terms if t.category == "transient")
+
+    def to_dict(self) -> dict:
+        return {"strategy": self.strategy, "precision": self.precision, "optim": self.optim, "world": self.world,
+                "model": self.model, "n_params": self.n_params, "state_elements_per_param": self.state_elements,
+                "bytes": self.bytes(), "transient_bytes": self.transient_bytes,
+                "bytes_per_param": {k: v / self.n_params for k, v in self.bytes().items()},
+                "terms": [vars(t) for t in self.terms], "notes": list(self.notes)}
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _fmt_n(n: int) -> str:
+    return f"{n:,}"
+
+
+def predict(shape: ModelShape, strategy: str, world: int = 1, precision: str = "bf16", optim: str = "adamw",
+            stage: int = 0, bucket_mb: float = 25.0, state_elements: float | None = None,
+            reduce_dtype: str = "auto") -> Prediction:
+    """Predicted bytes on one rank. `state_elements` overrides the measured optimizer state
+    (elements per parameter), e.g. for tests of the formulas."""
+    if world < 1:
+        raise ValueError(f"--world must be >= 1, got {world}")
+    if precision not in COMPUTE_BYTES:
+        raise ValueError(f"unknown precision {precision!r}; known: {', '.join(COMPUTE_BYTES)}")
+    if strategy not in PREDICTED_STRATEGIES:
+        raise ValueError(f"no memory model for strategy {strategy!r}; known: {', '.join(PREDICTED_STRATEGIES)}")
+    if strategy == "deepspeed" and stage not in (1, 2, 3):
+        raise ValueError(f"strategy=deepspeed needs --stage 1, 2 or 3 (got {stage})")
+    k = optimizer_state_elements(optim) if state_elements is None else float(state_elements)
+    name = f"deepspeed-{stage}" if strategy == "deepspeed" else strategy
+    pred = Prediction(name, precision, optim, world, shape.name, shape.n_params, k)
+    builder = {"ddp": _ddp, "zero1": _zero12, "zero2": _zero12, "zero3": _zero3,
+               "deepspeed": _deepspeed, "fsdp": _fsdp}[strategy]
+    builder(pred, shape, strategy=strategy, world=world, precision=precision, k=k, stage=stage,
+            bucket_mb=bucket_mb, bucket_bytes=int(bucket_mb * 2 ** 20), reduce_dtype=reduce_dtype)
+    return pred
+
+
+def _dtype_name(precision: str) -> str:
+    return "fp32" if precision == "fp32" else ("fp16" if precision == "fp16" else "bf16")
+
+
+def _ddp(p: Prediction, shape: ModelShape, *, precision, k, bucket_bytes, **_):
+    n, c, dt = shape.n_params, COMPUTE_BYTES[precision], _dtype_name(precision)
+    p.add("params", n * c, f"{dt} weights: Ψ × {c}")
+    p.add("grads", n * c, f"{dt} gradients, views into DDP's all-reduce buckets: Ψ × {c}")
+    s = 4 if precision != "bf16_pure" else 2  # the optimizer updates fp32 masters, or the bf16 weights
+    if precision in MIXED:
+        p.add("master", n * 4, "fp32 master weights: Ψ × 4")
+        p.add("transient", n * 4, "fp32 copies of the gradients while the optimizer steps: Ψ × 4")
+    p.add("optim_state", n * k * s, f"optimizer state: Ψ × {k:g} elements × {s}")
+    if shape.buffer_bytes:
+        p.add("buffers", shape.buffer_bytes, "model buffers")
+
+
+def zero_buckets(shape: ModelShape, world: int, compute_bytes: int, bucket_mb: float) -> list[int]:
+    """Padded bucket sizes (elements) of zerolab's sharder (strategies/zero.py, _make_buckets):
+    tensors in reverse registration order, one open bucket per param group, a bucket closes once
+    it holds at least bucket_mb of compute-dtype elements, and each is padded to a multiple of N."""
+    cap = max(1, int(bucket_mb * 2 ** 20 / compute_bytes))
+    open_: dict[int, int] = {}
+    closed = []
+    for g, s in reversed(shape.tensors):
+        open_[g] = open_.get(g, 0) + math.prod(s)
+        if open_[g] >= cap:
+            closed.append(open_.pop(g))
+    closed += list(open_.values())
+    return [_ceil_div(x, world) * world for x in closed]
+
+
+def _zero12(p: Prediction, shape: ModelShape, *, strategy, world, precision, k, bucket_mb, reduce_dtype, **_):
+    """zerolab's sharder (zerolab/strategies/zero.py): every bucket is padded to a multiple of N and
+    rank r owns chunk r of each; master weights, their gradient and the optimizer state are fp32
+    and exist for the owned chunks only. Measured at the end of a step (as memory() sees it)."""
+    n, c, dt, N = shape.n_params, COMPUTE_BYTES[precision], _dtype_name(precision), world
+    sizes = zero_buckets(shape, N, c, bucket_mb)
+    padded, shard = sum(sizes), sum(sizes) // N
+    pad = padded - n
+    p.add("params", n * c, f"{dt} weights, whole, views into per-bucket flat buffers: Ψ × {c}")
+    if pad:
+        p.add("params", pad * c, f"padding of {len(sizes)} bucket(s) to multiples of N: {_fmt_n(pad)} × {c}")
+    if strategy == "zero1":
+        p.add("grads", padded * c, f"{dt} gradients, whole, views into per-bucket flat buffers "
+                                   f"(kept between steps): {_fmt_n(padded)} × {c}")
+    p.add("grads", shard * 4, f"fp32 gradient shard (the owned chunks): {_fmt_n(shard)} × 4")
+    p.add("master", shard * 4, f"fp32 master shard the optimizer updates: {_fmt_n(shard)} × 4"
+          + (" (in fp32 training it duplicates the owned weights)" if precision == "fp32" else ""))
+    p.add("optim_state", shard * k * 4, f"optimizer state of the shard: {_fmt_n(shard)} × {k:g} × 4")
+    rb = 4 if reduce_dtype == "fp32" else c
+    if strategy == "zero2":
+        p.add("transient", padded * rb, "gradient buckets copied for reduce-scatter; they are freed when "
+                                        "drained, after backward, so at the peak all of them coexist")
+    elif rb != c:
+        p.add("transient", max(sizes) * rb, "fp32 copy of a bucket for reduce-scatter (strategy.reduce_dtype=fp32)")
+    p.add("transient", max(sizes) // N * (4 + rb), "reduce-scatter output / all-gather input chunk of one bucket")
+    if shape.buffer_bytes:
+        p.add("buffers", shape.buffer_bytes, "model buffers")
+    paper = "4Ψ + KΨ/N" if strategy == "zero1" else "2Ψ + (2 + K)Ψ/N"
+    p.notes.append(f"vs the paper ({paper} in mixed precision): the gradient shard is fp32 (4Ψ/N)"
+                   + (" on top of the whole 16-bit gradients" if strategy == "zero1" else " rather than 16-bit (2Ψ/N)")
+                   + ("; in fp32 training the fp32 master shard (4Ψ/N) duplicates owned weights" if precision == "fp32" else "")
+                   + ("; bf16_pure still updates an fp32 shard here" if precision == "bf16_pure" else ""))
+
+
+def _zero3(p: Prediction, shape: ModelShape, *, world, precision, k, **_):
+    """The ZeRO paper's P_os+g+p: every model state divided by N (formula only)."""
+    n, c, dt, N = shape.n_params, COMPUTE_BYTES[precision], _dtype_name(precision), world
+    shard = _ceil_div(n, N)
+    p.add("params", shard * c, f"{dt} weight shard: ⌈Ψ/N⌉ × {c}")
+    p.add("grads", shard * c, f"{dt} gradient shard: ⌈Ψ/N⌉ × {c}")
+    s = 2 if precision == "bf16_pure" else 4
+    if precision in MIXED:
+        p.add("master", shard * 4, "fp32 master shard: ⌈Ψ/N⌉ × 4")
+    p.add("optim_state", shard * k * s, f"optimizer state shard: ⌈Ψ/N⌉ × {k:g} × {s}")
+    biggest = max(math.prod(s_) for s_ in shape.shapes)
+    p.add("transient", biggest * c, "one layer's weights all-gathered for forward/backward (largest tensor)")
+    p.notes.append("formula only (Rajbhandari et al. 2019); zerolab has no own stage-3 sharder")
+
+
+def _deepspeed(p: Prediction, shape: ModelShape, *, world, precision, k, stage, bucket_bytes, **_):
+    """DeepSpeed 0.19 as it allocates (runtime/zero/stage_1_and_2.py, stage3.py), at the moment of the
+    optimizer update, where its model states peak."""
+    n, c, dt, N = shape.n_params, COMPUTE_BYTES[precision], _dtype_name(precision), world
+    if precision == "bf16_pure":
+        raise ValueError("DeepSpeed has no bf16_pure mode (its bf16 ZeRO keeps fp32 master weights); "
+                         "use --precision bf16")
+    if stage in (1, 2):
+        # Each group's flat 16-bit buffer is padded to a multiple of 2N (4-byte alignment of fp16
+        # partitions); every rank owns 1/N of it.
+        padded = [_ceil_div(g, 2 * N) * 2 * N for g in shape.group_numels]
+        part = sum(g // N for g in padded)
+        p.add("params", sum(padded) * c, f"{dt} flat weight buffer, padded to a multiple of 2N: {_fmt_n(sum(padded))} × {c}")
+        if stage == 1:
+            p.add("grads", n * c, f"{dt} gradients, whole, until the step: Ψ × {c}")
+        else:
+            p.add("grads", part * c, f"{dt} gradients of this partition (contiguous buffer): {_fmt_n(part)} × {c}")
+        p.add("grads", part * 4, f"fp32 gradient partition, built in step(): {_fmt_n(part)} × 4")
+        p.add("master", part * 4, f"fp32 weight partition (kept even in fp32 training): {_fmt_n(part)} × 4")
+        p.add("optim_state", part * k * 4, f"optimizer state of the partition: {_fmt_n(part)} × {k:g} × 4")
+        p.add("buffers", min(bucket_bytes, n * c), f"{dt} reduce bucket (reduce_bucket_size = strategy.bucket_mb)")
+        p.notes.append("vs the paper: an fp32 gradient partition (4Ψ/N) exists during step() on top of the "
+                       f"{dt} gradients" + ("; in fp32 training the fp32 partition duplicates the weights (4Ψ/N)"
+                                            if precision == "fp32" else ""))
+        return
+    # Stage 3: every tensor is padded to a multiple of N and partitioned on its own; tensors of at most
+    # 1e5 elements (stage3_param_persistence_threshold) also stay whole on every rank.
+    sizes = [math.prod(s) for s in shape.shapes]
+    part = sum(_ceil_div(x, N) for x in sizes)
+    persistent = sum(x for x in sizes if x <= DS_PERSISTENCE_THRESHOLD)
+    p.add("params", part * c, f"{dt} weight partitions, each tensor padded to N: {_fmt_n(part)} × {c}")
+    if persistent:
+        p.add("params", persistent * c, f"small tensors kept whole on every rank (≤ 1e5 elements): {_fmt_n(persistent)} × {c}")
+    p.add("grads", part * c, f"{dt} gradient partitions (flat buffer): {_fmt_n(part)} × {c}")
+    p.add("grads", part * 4, f"fp32 gradient partition, built in step(): {_fmt_n(part)} × 4")
+    p.add("master", part * 4, f"fp32 weight partition (kept even in fp32 training): {_fmt_n(part)} × 4")
+    p.add("optim_state", part * k * 4, f"optimizer state of the partition: {_fmt_n(part)} × {k:g} × 4")
+    p.add("buffers", min(bucket_bytes, n * c), f"{dt} reduce bucket (reduce_bucket_size = strategy.bucket_mb)")
+    biggest = max(sizes)
+    p.add("transient", biggest * c, "weights all-gathered for the module being computed (largest tensor)")
+    p.notes.append("vs the paper: the fp32 gradient partition (4Ψ/N) during step(), and small tensors "
+                   "replicated on every rank")
+
+
+def _fsdp(p: Prediction, shape: ModelShape, *, world, precision, k, **_):
+    """FSDP2 (fully_shard): every parameter is a DTensor sharded on dim 0, padded to a multiple of N
+    rows. With MixedPrecisionPolicy the sharded parameters stay fp32 (they are the master weights)
+    and the compute-dtype copy exists only while a module runs."""
+    c, dt, N = COMPUTE_BYTES[precision], _dtype_name(precision), world
+    shard = sum(_ceil_div(s[0], N) * math.prod(s[1:]) for s in shape.shapes)
+    s = 2 if precision == "bf16_pure" else 4
+    kind = "bf16" if s == 2 else "fp32"
+    if precision in MIXED:
+        p.add("master", shard * 4, f"fp32 sharded parameters (the optimizer's weights): {_fmt_n(shard)} × 4")
+    else:
+        p.add("params", shard * s, f"{kind} sharded parameters: {_fmt_n(shard)} × {s}")
+    p.add("grads", shard * s, f"{kind} sharded gradients: {_fmt_n(shard)} × {s}")
+    p.add("optim_state", shard * k * s, f"optimizer state of the shard: {_fmt_n(shard)} × {k:g} × {s}")
+    biggest = max(math.prod(s_) for s_ in shape.shapes)
+    p.add("transient", biggest * c, f"{dt} unsharded weights of the module being computed (largest tensor)")
+    p.notes.append("vs the paper: no separate 16-bit weight shard; the gradient shard is fp32 (4Ψ/N, not 2Ψ/N)"
+                   if precision in MIXED else "every model state is sharded on dim 0 of each tensor")
+
+
+# ---- formatting -----------------------------------------------------------------------------
+def _num(x: float) -> str:
+    """Two decimals for big figures, four significant digits for small ones."""
+    return f"{x:.2f}" if x >= 1 or x == 0 else f"{x:.4g}"
+
+
+def human_bytes(v: float) -> str:
+    for unit, scale in (("GB", GB), ("MB", 1e6), ("kB", 1e3)):
+        if v >= scale:
+            return f"{v / scale:.2f} {unit}"
+    return f"{int(v)} B"
+
+
+def format_table(pred: Prediction) -> str:
+    b, n = pred.bytes(), pred.n_params
+    total = b["total"] or 1
+    head = (f"{pred.model}: {_fmt_n(n)} parameters | strategy {pred.strategy} | precision {pred.precision} | "
+            f"optimizer {pred.optim} ({pred.state_elements:g} state elements/param) | world {pred.world} | per rank")
+    rows = [f"{'category':<13} {'bytes/param':>11} {'bytes':>19} {'GB':>10} {'GiB':>10} {'share':>7}"]
+
+    def row(label, v):
+        rows.append(f"{label:<13} {v / n:>11.3f} {v:>19,} {_num(v / GB):>10} {_num(v / GIB):>10} {100 * v / total:>6.1f}%")
+
+    for cat in MODEL_STATES:
+        row(cat, b[cat])
+    rows.append("-" * len(rows[0]))
+    row("model states", b["model_states"])
+    row("buffers", b["buffers"])
+    row("total", b["total"])
+    opt = b["master"] + b["optim_state"]
+    ms = b["model_states"] or 1
+    lines = [head, "", *rows, "",
+             f"model states (weights + grads + master + optimizer state, the ZeRO paper's definition): "
+             f"{b['model_states'] / n:.3f} bytes/param = {_num(b['model_states'] / GB)} GB per rank",
+             f"optimizer states (fp32 master + optimizer state): {opt / n:.3f} bytes/param = {_num(opt / GB)} GB "
+             f"= {100 * opt / ms:.1f}% of model states"]
+    if pred.transient_bytes:
+        lines.append(f"transient, on top during part of the step (not in total): {human_bytes(pred.transient_bytes)}")
+    lines += ["", "where it comes from:"]
+    lines += [f"  {t.category:<12} {human_bytes(t.bytes):>10}  {t.what}" for t in pred.terms]
+    lines += [f"  note: {note}" for note in pred.notes]
+    lines.append("  (activations are not included: they depend on batch and sequence length, not on the strategy)")
+    return "\n".join(lines)
+
+
+SWEEP_STRATEGIES = (("ddp", 0), ("zero1", 0), ("zero2", 0), ("zero3", 0), ("deepspeed", 1), ("deepspeed", 2),
+                    ("deepspeed", 3), ("fsdp", 0))
+
+
+def sweep(shape: ModelShape, worlds: list[int], precision: str, optim: str, bucket_mb: float = 25.0,
+          state_elements: float | None = None) -> dict[str, list[int]]:
+    """Per-rank total bytes (model states + buffers) for each strategy at each world size."""
+    k = optimizer_state_elements(optim) if state_elements is None else state_elements
+    out = {}
+    for strategy, stage in SWEEP_STRATEGIES:
+        if strategy == "deepspeed" and precision == "bf16_pure":
+            continue
+        label = f"deepspeed-{stage}" if stage else strategy
+        out[label] = [predict(shape, strategy, w, precision, optim, stage=stage, bucket_mb=bucket_mb,
+                              state_elements=k).bytes()["total"] for w in worlds]
+    return out
+
+
+def format_sweep(shape: ModelShape, worlds: list[int], table: dict[str, list[int]], precision: str, optim: str) -> str:
+    lines = [f"{shape.name}: {_fmt_n(shape.n_params)} parameters | precision {precision} | optimizer {optim} | "
+             "GB per rank (model states + buffers)", ""]
+    lines.append(f"{'strategy':<12}" + "".join(f"{'N=' + str(w):>10}" for w in worlds))
+    for label, values in table.items():
+        lines.append(f"{label:<12}" + "".join(f"{v / GB:>10.2f}" for v in values))
+    return "\n".join(lines)
+
+
+def plot_sweep(path: str, shape: ModelShape, worlds: list[int], table: dict[str, list[int]], precision: str,
+               optim: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for label, values in table.items():
+        ax.plot(worlds, [v / GB for v in values], marker="o", label=label)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(worlds, [str(w) for w in worlds])
+    ax.set_xlabel("data-parallel ranks N")
+    ax.set_ylabel("GB per rank (model states + buffers)")
+    ax.set_title(f"{shape.name}, {precision}, {optim}")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# ---- the CLI: python -m zerolab memory ------------------------------------------------------
+def cli_main(argv: list[str]) -> int:
+    import argparse
+    import json
+
+    p = argparse.ArgumentParser(prog="python -m zerolab memory",
+                                description="Predicted memory per rank by category, for any model size and strategy.")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--params", type=float, help="parameter count, e.g. 7e9")
+    src.add_argument("--model", help="a model config name from conf/model/ (built on the meta device)")
+    p.add_argument("--world", type=int, default=1, help="data-parallel ranks N")
+    p.add_argument("--strategy", default="ddp", choices=PREDICTED_STRATEGIES)
+    p.add_argument("--stage", type=int, default=0, help="DeepSpeed ZeRO stage (1, 2, 3) with --strategy deepspeed")
+    p.add_argument("--precision", default="bf16", choices=list(COMPUTE_BYTES))
+    p.add_argument("--optim", default="adamw", help="adamw | adam | lamb | lars | sgd | sgd_momentum")
+    p.add_argument("--bucket-mb", type=float, default=25.0, help="gradient bucket size (strategy.bucket_mb)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.add_argument("--sweep-world", help="comma-separated world sizes, e.g. 1,2,4,8,16,64: one line per strategy")
+    p.add_argument("--plot", default="memory_sweep.png", help="PNG written by --sweep-world")
+    args = p.parse_args(argv)
+    try:
+        shape = shape_from_params(args.params) if args.params is not None else \
+            shape_from_model_config(load_model_config(args.model))
+        if args.sweep_world:
+            try:
+                worlds = [int(w) for w in args.sweep_world.split(",") if w.strip()]
+            except ValueError:
+                raise ValueError(f"--sweep-world={args.sweep_world!r}: give integers separated by commas, e.g. 1,2,4,8")
+            if not worlds or min(worlds) < 1:
+                raise ValueError(f"--sweep-world={args.sweep_world!r}: world sizes must be >= 1")
+            table = sweep(shape, worlds, args.precision, args.optim, args.bucket_mb)
+            if args.json:
+                print(json.dumps({"model": shape.name, "n_params": shape.n_params, "worlds": worlds,
+                                  "precision": args.precision, "optim": args.optim, "total_bytes": table}, indent=2))
+            else:
+                print(format_sweep(shape, worlds, table, args.precision, args.optim))
+            plot_sweep(args.plot, shape, worlds, table, args.precision, args.optim)
+            print(f"plot: {args.plot}", file=__import__("sys").stderr if args.json else None)
+            return 0
+        pred = predict(shape, args.strategy, args.world, args.precision, args.optim, stage=args.stage,
+                       bucket_mb=args.bucket_mb)
+    except (ValueError, NotImplementedError) as e:
+        print(f"error: {e}", file=__import__("sys").stderr)
+        return 2
+    print(json.dumps(pred.to_dict(), indent=2) if args.json else format_table(pred))
+    return 0
+
+
+# ---- in every run: predicted vs measured ---------------------------------------------------
+WARN_RATIO = 1.10  # measured above predicted by more than 10% gets a warning
+
+
+def ledger_for_run(cfg, world_size: int, model=None) -> Prediction | None:
+    """The prediction for this run's model (the module about to be trained, else cfg.model built on
+    the meta device), strategy, precision and optimizer on one rank, or None (with the reason
+    logged) where the ledger has no model of the strategy or optimizer."""
+    s = cfg.strategy
+    try:
+        shape = shape_from_model(model, cfg.optim.weight_decay, cfg.model.name) if model is not None \
+            else shape_from_model_config(cfg.model, cfg.optim.weight_decay)
+        return predict(shape, s.name, world_size, cfg.precision.name, cfg.optim.name, stage=s.stage,
+                       bucket_mb=s.bucket_mb, reduce_dtype=s.reduce_dtype)
+    except (ValueError, NotImplementedError) as e:
+        log.info("memory ledger: no prediction for this run (%s)", e)
+        return None
+
+
+def check_against(pred: Prediction | None, per_rank: list[dict], warn: bool = True) -> tuple[dict, dict]:
+    """Hold each rank's measured `mem/<cat>_bytes` (Strategy.memory()) against the prediction.
+    Returns (metrics keys `rank{r}/mem_pred/<cat>_bytes`, summary section with measured/predicted
+    per rank per category); logs a warning for every category measured >10% above prediction."""
+    if pred is None:
+        return {}, {"predicted": None}
+    want = pred.bytes()
+    keys, ratios, warnings = {}, [], []
+    for r, figures in enumerate(per_rank):
+        rank_ratio = {}
+        for cat, predicted in want.items():
+            keys[f"rank{r}/mem_pred/{cat}_bytes"] = predicted
+            measured = figures.get(f"mem/{cat}_bytes")
+            if measured is None:
+                continue
+            rank_ratio[cat] = measured / predicted if predicted else (1.0 if measured == 0 else None)
+            if measured > predicted * WARN_RATIO:
+                msg = (f"rank {r}: measured {cat} = {measured:,} bytes exceeds the prediction "
+                       f"{predicted:,} by more than {100 * (WARN_RATIO - 1):.0f}%")
+                warnings.append(msg)
+                if warn:
+                    log.warning("memory ledger: %s (%s)", msg, pred.strategy)
+        ratios.append(rank_ratio)
+    return keys, {"predicted": pred.to_dict(), "measured_over_predicted": ratios, "warnings": warnings}
+
+
+PROCESS_KEYS = ("rss_bytes", "rss_peak_bytes", "cuda_allocated_bytes", "cuda_max_allocated_bytes",
+                "cuda_max_reserved_bytes", "cuda_alloc_retries", "cuda_ooms")
+
+
+def process_summary(per_rank: list[dict]) -> list[dict]:
+    """The process-level figures of each rank (RSS on CPU; allocator peaks, retries, OOMs on CUDA)."""
+    return [{k: r[k] for k in PROCESS_KEYS if k in r} for r in per_rank]

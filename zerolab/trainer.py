@@ -24,7 +24,7 @@ from zerolab.config import Config, global_batch, to_dict, validate
 from zerolab.checkpoint import Checkpointer, model_layout
 from zerolab.data import WindowSampler, build_data
 from zerolab.fault import FaultInjector, ProgressBoard
-from zerolab.memory import process_memory
+from zerolab.memory import check_against, ledger_for_run, process_memory, process_summary
 from zerolab.metrics import MetricsSink
 from zerolab.models import build_model, count_params, lm_loss, param_groups
 from zerolab.optim import build_optimizer
@@ -70,6 +70,7 @@ class Trainer:
         torch.manual_seed(t.seed)  # same initial weights on every rank
         model = build_model(cfg.model, device=ctx.device)
         self.n_params = count_params(model)
+        self.mem_pred, self.mem_check = ledger_for_run(cfg, ctx.world_size, model), {}  # predicted bytes per rank
         self.strategy = strategy_class(cfg.strategy.name)(cfg, ctx, self.precision)
         self.model = self.strategy.setup(model, param_groups(model, cfg.optim.weight_decay),
                                          partial(build_optimizer, cfg.optim))
@@ -154,6 +155,9 @@ class Trainer:
                     record["loss_scale"] = self.precision.scaler.scale
                 for r, figures in enumerate(per_rank):
                     record.update({f"rank{r}/{k}": v for k, v in figures.items()})
+                if step == self.start_step:  # optimizer state exists now: hold the ledger against it
+                    pred_keys, self.mem_check = check_against(self.mem_pred, per_rank, warn=ctx.is_main)
+                    record.update(pred_keys)
                 if (t.eval_every and (step + 1) % t.eval_every == 0) or last:
                     eval_loss = record["eval_loss"] = self.evaluate()
                 self.metrics.log(record)
@@ -177,6 +181,7 @@ class Trainer:
             "step_time_p95_s": percentile(step_times, 95) if step_times else None,
             "peak_memory_per_rank": [{k: v for k, v in r.items() if "peak" in k or "max" in k} for r in per_rank],
             "memory_per_rank": [{k: v for k, v in r.items() if k.startswith("mem/")} for r in per_rank],
+            "memory_ledger": {**self.mem_check, "process_per_rank": process_summary(per_rank)},
             "run_dir": self.run_dir, "metrics": self.metrics.path,
         }
         if ctx.is_main:
