@@ -94,6 +94,15 @@ class Trainer:
                      cfg.data.micro_batch, t.grad_accum_steps, ctx.world_size, self.schedule.peak_lr)
 
     # ---- one optimizer step ----------------------------------------------------------------
+    def logs_step(self, step: int) -> bool:
+        t, every = self.cfg.trainer, self.cfg.logging.layer_stats_every
+        return ((step + 1) % t.log_every == 0 or step == self.start_step or step + 1 == t.max_steps
+                or bool(every and (step + 1) % every == 0))
+
+    def _inject_inf(self, step: int) -> bool:
+        f = self.cfg.fault
+        return step == f.inf_grad_step and self.ctx.rank == f.inf_grad_rank
+
     def train_step(self, step: int):
         accum = self.cfg.trainer.grad_accum_steps
         self.model.train()
@@ -104,8 +113,17 @@ class Trainer:
             # Only the last micro-batch communicates (DDP's no_sync; ZeRO-2 keeps reducing).
             with self.strategy.no_sync() if micro < accum - 1 else nullcontext():
                 loss = lm_loss(self.model(batch.x), batch.y)
-                self.strategy.backward(loss / accum)
+                scaled = loss / accum
+                if micro == accum - 1 and self._inject_inf(step):
+                    # fault.inf_grad_step: this rank's last backward carries inf, so its gradients
+                    # are non-finite before the reduction and every rank sees the overflow.
+                    scaled = scaled * float("inf")
+                self.strategy.backward(scaled)
             losses.append(loss.detach())
+        # Optimizer statistics cost norms and a device sync: only on steps that are logged.
+        logged = self.logs_step(step)
+        every = self.cfg.logging.layer_stats_every
+        self.strategy.stats_level = 0 if not logged else 2 if every and (step + 1) % every == 0 else 1
         info = self.strategy.step(lr)
         return torch.stack(losses).mean().item(), lr, info
 
@@ -144,15 +162,18 @@ class Trainer:
             step_times.append(dt)
             comm = self.strategy.comm.pop_step()
             last = step + 1 == t.max_steps
-            if (step + 1) % t.log_every == 0 or step == self.start_step or last:
+            if self.logs_step(step):
                 loss = ctx.all_reduce_mean(local_loss)
                 per_rank = ctx.gather_objects(self.rank_figures(comm))
                 record = {"step": step + 1, "loss": loss, "lr": lr, "grad_norm": info.grad_norm,
                           "grad_norm_clipped": info.grad_norm_clipped, "skipped": info.skipped,
                           "step_time_s": dt, "tokens_per_s": tokens_per_step / dt,
                           "global_batch": self.global_batch, **info.extra}
+                if "optim_step_s" in record:
+                    record["optim_step_share"] = record["optim_step_s"] / dt
                 if self.precision.scaler.enabled:
                     record["loss_scale"] = self.precision.scaler.scale
+                    record["skipped_steps"] = self.precision.scaler.skipped_steps
                 for r, figures in enumerate(per_rank):
                     record.update({f"rank{r}/{k}": v for k, v in figures.items()})
                 if step == self.start_step:  # optimizer state exists now: hold the ledger against it

@@ -7,7 +7,9 @@ backward and the step, and reports its memory by category and its communication 
 from __future__ import annotations
 
 import abc
+import logging
 import math
+import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Callable, ContextManager, Optional
@@ -20,6 +22,8 @@ from zerolab.comm import CommCounter
 from zerolab.config import Config
 from zerolab.dist import DistContext
 from zerolab.precision import Precision, clip_coefficient, grad_norm_sq
+
+_log = logging.getLogger("zerolab")
 
 OptimizerFactory = Callable[[list[dict]], torch.optim.Optimizer]
 
@@ -116,19 +120,79 @@ class Strategy(abc.ABC):
         finite = math.isfinite(norm)
         scaler.update(found_inf=not finite, step=self.step_count)
         if not finite:
+            where = (f"step {self.step_count} (0-based, as fault.*_step; \"step\": {self.step_count + 1} in "
+                     f"metrics.jsonl)")
             if not scaler.enabled and self.cfg.trainer.nonfinite == "stop":
                 raise NonFiniteGradient(
-                    f"step {self.step_count}: the gradient norm is {norm} ({self.describe_nonfinite()}); "
+                    f"{where}: the gradient norm is {norm} ({self.describe_nonfinite()}); "
                     "lower the lr, enable clipping (optim.grad_clip) or set trainer.nonfinite=skip")
+            if not scaler.enabled:
+                _log.warning("%s: the gradient norm is %s (%s); skipping the update (trainer.nonfinite=skip)",
+                             where, norm, self.describe_nonfinite())
+            else:
+                _log.info("%s: fp16 gradients overflowed; update skipped, loss scale now %g", where, scaler.scale)
             self.step_count += 1
             return StepInfo(grad_norm=norm, grad_norm_clipped=norm, skipped=True)
         coef = clip_coefficient(norm, self.cfg.optim.grad_clip)
         multiplier = coef / (scaler.scale if scaler.enabled else 1.0)
         if multiplier != 1.0 and grads:
             torch._foreach_mul_(grads, multiplier)
-        self.optimizer.step()
+        extra = self._optimizer_step()
         self.step_count += 1
-        return StepInfo(grad_norm=norm, grad_norm_clipped=norm * coef)
+        return StepInfo(grad_norm=norm, grad_norm_clipped=norm * coef, extra=extra)
+
+    # ---- watching the optimizer ----------------------------------------------------------------
+    # The trainer sets `stats_level` before each step: 0 = nothing extra (the hot path: no timing
+    # sync, no norms), 1 = optimizer step time, global update-to-weight ratio, trust-ratio
+    # min/median/max, 2 = also the update-to-weight ratio of every tensor.
+    stats_level: int = 0
+
+    def _optimizer_step(self) -> dict:
+        opt, level = self.optimizer, self.stats_level
+        if not level:
+            opt.step()
+            return {}
+        tracks = hasattr(opt, "pop_update_stats")  # zerolab's optimizers; torch's are only timed
+        if tracks:
+            opt.track_updates = True
+        self.ctx.synchronize()
+        t0 = time.perf_counter()
+        try:
+            opt.step()
+            self.ctx.synchronize()
+        finally:
+            if tracks:
+                opt.track_updates = False
+        extra = {"optim_step_s": time.perf_counter() - t0}
+        if tracks:
+            extra.update(self._update_ratios(opt.pop_update_stats(), per_tensor=level > 1))
+            extra.update(opt.step_stats())
+        return extra
+
+    def _update_ratios(self, records: list[dict], per_tensor: bool) -> dict:
+        """‖Δw‖/‖w‖ over the whole model (and per tensor) from the optimizer's per-tensor sums of
+        squares; flat shards give partial sums, completed here by one all-reduce."""
+        if not records:
+            return {}
+        vec = torch.cat([torch.cat([r["update_sq"], r["weight_sq"]]) for r in records]).to(self.ctx.device)
+        if any(r["partial"] for r in records) and self.ctx.world_size > 1:
+            self.comm.record("all_reduce", vec)
+            dist.all_reduce(vec)
+        vec, out, offset = vec.double().cpu(), {}, 0
+        upd_total = weight_total = 0.0
+        for r in records:
+            n = len(r["names"])
+            upd, wsq = vec[offset:offset + n], vec[offset + n:offset + 2 * n]
+            offset += 2 * n
+            upd_total += upd.sum().item()
+            weight_total += wsq.sum().item()
+            if per_tensor:
+                for name, u, w in zip(r["names"], upd.tolist(), wsq.tolist()):
+                    if w > 0:
+                        out[f"update_ratio/{name}"] = math.sqrt(u / w)
+        if weight_total > 0:
+            out["update_ratio"] = math.sqrt(upd_total / weight_total)
+        return out
 
     def describe_nonfinite(self) -> str:
         """Names the first gradient that is not finite; strategies refine this."""
