@@ -1,0 +1,249 @@
+"""DeepSpeed's ZeRO (stage 1, 2 or 3) as a zerolab strategy: the reference to compare against.
+
+The DeepSpeed config is built from zerolab's config (micro batch, accumulation, clipping,
+precision and loss scaling, bucket sizes, overlap) and `strategy.ds_config_overrides` is merged
+last, so any DeepSpeed key can be set. `deepspeed.initialize` runs inside the process group
+zerolab already created under torchrun: no `deepspeed` launcher, no `--local_rank`.
+
+Accumulation: the trainer calls backward once per micro-batch and step once per optimizer step.
+DeepSpeed's own boundary flag is driven from `no_sync()` (False inside, True outside), so its
+reductions happen exactly where DDP's would; the trainer already divides the loss by the number
+of micro-batches, so DeepSpeed must not divide again (`scale_wrt_gas=False`).
+
+Communication is measured, not estimated: the collectives DeepSpeed issues through its comm
+layer (`deepspeed.comm`) are counted by thin wrappers around that layer's backend object.
+"""
+from __future__ import annotations
+
+import copy
+import logging
+import math
+import warnings
+from contextlib import contextmanager
+from typing import Optional
+
+import torch
+import torch.nn as nn
+
+from zerolab.config import ConfigError
+from zerolab.memory import StorageCounter
+from zerolab.strategies.base import OptimizerFactory, StepInfo, Strategy
+
+INSTALL_HINT = "pip install deepspeed==0.19.8"
+
+log = logging.getLogger(__name__)
+
+
+def import_deepspeed():
+    """DeepSpeed, or an error that says how to install it (a broken install fails on import)."""
+    try:
+        import deepspeed
+        from deepspeed.utils import safe_get_full_fp32_param  # noqa: F401  (used below)
+    except Exception as err:  # ImportError, but also a half-installed package raising anything
+        raise ImportError(
+            f"strategy=deepspeed needs DeepSpeed, and importing it failed ({type(err).__name__}: {err}). "
+            f"Install it with `{INSTALL_HINT}` (with --no-build-isolation, after torch), or pick another "
+            "strategy (ddp, zero1, zero2, torch_zero, fsdp).") from err
+    return deepspeed
+
+
+def deep_merge(base: dict, extra: dict) -> dict:
+    out = copy.deepcopy(base)
+    for k, v in extra.items():
+        out[k] = deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else copy.deepcopy(v)
+    return out
+
+
+def build_ds_config(cfg, world_size: int, grad_element_size: int) -> dict:
+    """zerolab config -> DeepSpeed config dict (before strategy.ds_config_overrides)."""
+    s, o, p, t = cfg.strategy, cfg.optim, cfg.precision, cfg.trainer
+    if s.stage not in (0, 1, 2, 3):
+        raise ConfigError(f"strategy.stage={s.stage} is not a DeepSpeed ZeRO stage; use 0, 1, 2 or 3")
+    if p.name == "bf16_pure":
+        raise ConfigError("precision=bf16_pure has no DeepSpeed equivalent (DeepSpeed always keeps fp32 "
+                          "master weights in bf16); use precision=bf16 or fp32")
+    # DeepSpeed's bucket sizes are in elements, zerolab's in MB of the gradient dtype.
+    bucket = int(s.bucket_mb * 2**20 / grad_element_size)
+    ds = {
+        "train_micro_batch_size_per_gpu": cfg.data.micro_batch,
+        "gradient_accumulation_steps": t.grad_accum_steps,
+        "train_batch_size": cfg.data.micro_batch * t.grad_accum_steps * world_size,
+        "gradient_clipping": float(o.grad_clip),
+        "zero_optimization": {"stage": s.stage, "reduce_bucket_size": bucket, "allgather_bucket_size": bucket,
+                              "overlap_comm": bool(s.overlap_comm), "contiguous_gradients": True,
+                              "reduce_scatter": True},
+        "steps_per_print": 2**31 - 1,
+        "wall_clock_breakdown": False,
+    }
+    if s.stage == 3:
+        ds["zero_optimization"].update({"stage3_prefetch_bucket_size": bucket,
+                                        "stage3_param_persistence_threshold": 0})
+    if p.name == "bf16":
+        ds["bf16"] = {"enabled": True}
+    elif p.name == "fp16":
+        ds["fp16"] = {"enabled": True, "loss_scale": 0,  # 0 = dynamic
+                      "initial_scale_power": int(round(math.log2(p.initial_scale))),
+                      "loss_scale_window": p.growth_interval, "min_loss_scale": p.min_scale, "hysteresis": 1}
+    if o.name in ("adamw", "adam"):
+        ds["optimizer"] = {"type": "AdamW" if o.name == "adamw" else "Adam",
+                           "params": {"lr": o.lr, "betas": list(o.betas), "eps": o.eps,
+                                      "weight_decay": o.weight_decay, "adam_w_mode": o.name == "adamw"}}
+    else:
+        # zerolab's own optimizer is handed over as a client optimizer (see setup).
+        ds["zero_allow_untested_optimizer"] = True
+    return ds
+
+
+class _CountingBackend:
+    """Counts the bytes of every collective DeepSpeed issues through deepspeed.comm (whose backend
+    object `cdb` all its ZeRO code calls), then forwards the call unchanged."""
+
+    # method -> (CommCounter op, name and position of the argument holding the *full* buffer).
+    # Positions are fixed here because DeepSpeed's decorators hide the methods' signatures.
+    OPS = {"all_reduce": ("all_reduce", "tensor", 0), "reduce": ("reduce_scatter", "tensor", 0),
+           "reduce_scatter_tensor": ("reduce_scatter", "input_tensor", 1),
+           "broadcast": ("broadcast", "tensor", 0),
+           "all_gather_into_tensor": ("all_gather", "output_tensor", 0),
+           "all_gather_base": ("all_gather", "output_tensor", 0)}
+
+    @classmethod
+    def install(cls, counter) -> None:
+        import deepspeed.comm.comm as ds_comm
+
+        backend = ds_comm.cdb
+        if getattr(backend, "_zerolab_counting", False):
+            backend._zerolab_counter[0] = counter  # a second engine in the same process
+            return
+        backend._zerolab_counting, backend._zerolab_counter = True, [counter]
+        for method, (op, arg, pos) in cls.OPS.items():
+            original = getattr(backend, method, None)
+            if original is None:
+                continue
+
+            def wrapped(*args, _orig=original, _op=op, _arg=arg, _pos=pos, **kwargs):
+                full = kwargs.get(_arg, args[_pos] if len(args) > _pos else None)
+                if isinstance(full, torch.Tensor):
+                    # dist.reduce to one owner costs like a reduce-scatter in the ring model
+                    backend._zerolab_counter[0].record(_op, full)
+                return _orig(*args, **kwargs)
+
+            setattr(backend, method, wrapped)
+
+
+class DeepSpeedStrategy(Strategy):
+    name = "deepspeed"
+
+    def setup(self, model: nn.Module, param_groups: list[dict], make_optimizer: OptimizerFactory) -> nn.Module:
+        deepspeed = import_deepspeed()
+        logging.getLogger("DeepSpeed").setLevel(logging.WARNING)  # its INFO lines drown the progress bar
+        cfg = self.cfg
+        self.sharded_grads = cfg.strategy.stage >= 2
+        model.to(self.ctx.device)  # DeepSpeed casts to bf16/fp16 itself
+        self.names = {id(p): n for n, p in model.named_parameters()}
+        grad_bytes = torch.finfo(self.precision.compute_dtype).bits // 8
+        ds_config = deep_merge(build_ds_config(cfg, self.ctx.world_size, grad_bytes), cfg.strategy.ds_config_overrides)
+        self.ds_config = ds_config
+        # "names" is zerolab's bookkeeping; keep every other group key (weight_decay, lr_scale).
+        groups = [{k: v for k, v in g.items() if k != "names"} for g in param_groups]
+        client = None
+        if "optimizer" not in ds_config:
+            name = cfg.optim.name
+            if name in ("lamb", "lars"):
+                if not cfg.strategy.client_optimizer:
+                    raise ConfigError(
+                        f"optim={name} under strategy=deepspeed: DeepSpeed's ZeRO hands the optimizer flat "
+                        "buffers, so a layer-wise trust ratio would be computed per flat group, not per layer. "
+                        "Set strategy.client_optimizer=true to run it anyway (and compare parity with ddp), "
+                        "or use strategy=zero1/zero2, whose LAMB/LARS keep per-tensor norms")
+                warnings.warn(f"optim={name} as a DeepSpeed client optimizer: ZeRO flattens each param group "
+                              "into one tensor, so the per-layer trust ratio becomes a per-group ratio; the "
+                              "updates differ from ddp's (see the parity table of `python -m zerolab compare`)")
+            client = make_optimizer(param_groups)
+        # The process group exists already (zerolab.dist): DeepSpeed adopts it.
+        self.engine, _, _, _ = deepspeed.initialize(
+            model=model, optimizer=client, model_parameters=None if client is not None else groups,
+            config=ds_config, dist_init_required=False)
+        self.optimizer = self.engine.optimizer  # ZeRO wrapper; its param_groups are the inner optimizer's
+        self.inner = getattr(self.optimizer, "optimizer", self.optimizer)
+        self.module = self.engine.module
+        self.engine.set_gradient_accumulation_boundary(True)
+        _CountingBackend.install(self.comm)
+        self.comm.pop_step()  # setup traffic is not a training step's
+        self._step_mem: dict[str, int] = {}
+        return self.engine
+
+    @contextmanager
+    def no_sync(self):
+        self.engine.set_gradient_accumulation_boundary(False)
+        try:
+            yield
+        finally:
+            self.engine.set_gradient_accumulation_boundary(True)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.engine.backward(loss, scale_wrt_gas=False)  # the trainer divided by accum already
+
+    def step(self, lr: float) -> StepInfo:
+        self.set_lr(lr)
+        self._step_mem = self._measure()  # gradients exist now; DeepSpeed frees some after the step
+        skipped_before = self.engine.skipped_steps
+        self.engine.step()
+        self.step_count += 1
+        skipped = self.engine.skipped_steps > skipped_before
+        norm = self.engine.get_global_grad_norm()
+        norm = float(norm) if norm is not None else float("nan")
+        if self.precision.scaler.enabled:  # mirror DeepSpeed's scale into zerolab's log field
+            self.precision.scaler.scale = float(self.optimizer.loss_scale)
+        clip = self.cfg.optim.grad_clip
+        clipped = norm * min(1.0, clip / (norm + 1e-6)) if clip > 0 and math.isfinite(norm) else norm
+        return StepInfo(grad_norm=norm, grad_norm_clipped=clipped, skipped=skipped)
+
+    # ---- memory ------------------------------------------------------------------------------
+    def _measure(self) -> dict[str, int]:
+        o, c = self.optimizer, StorageCounter()
+        params = list(self.module.parameters())
+        if self.cfg.strategy.stage == 3:
+            c.add("params", (getattr(p, "ds_tensor", p) for p in params))
+            fp32 = getattr(o, "fp32_partitioned_groups_flat", [])
+            c.add("master", fp32)
+            c.add("grads", (t.grad for t in fp32))
+            c.add("params", getattr(o, "fp16_partitioned_groups_flat", []))
+        else:
+            # Model params are views into the flat bit16 groups: one storage each.
+            c.add("params", getattr(o, "bit16_groups_flat", [])).add("params", params)
+            fp32 = getattr(o, "single_partition_of_fp32_groups", [])
+            c.add("master", fp32)
+            c.add("grads", (t.grad for t in fp32))
+            c.add("grads", [getattr(o, "grads_in_partition", None)])
+        for grads in getattr(o, "averaged_gradients", {}).values():
+            c.add("grads", grads or [])
+        c.add("grads", (p.grad for p in params))
+        c.add_optimizer(self.inner)
+        c.add("buffers", (b for b in getattr(o, "ipg_buffer", None) or [] if isinstance(b, torch.Tensor)))
+        c.add("buffers", self.module.buffers())
+        return c.result()
+
+    def memory(self) -> dict[str, int]:
+        """Bytes by category: the larger of what existed just before the last update (gradients
+        are alive then) and what exists now."""
+        now = self._measure()
+        return {k: max(v, self._step_mem.get(k, 0)) for k, v in now.items()}
+
+    # ---- weights -------------------------------------------------------------------------------
+    @torch.no_grad()
+    def consolidated_state_dict(self) -> Optional[dict[str, torch.Tensor]]:
+        from deepspeed.utils import safe_get_full_fp32_param
+
+        full = {}
+        for p in self.module.parameters():  # collective: every rank walks the same order
+            t = safe_get_full_fp32_param(p)
+            if t is None:  # stage 0: no partitioning, the model holds the weights
+                t = p.detach()
+            full[id(p)] = t.float().cpu() if self.ctx.is_main else None
+        if not self.ctx.is_main:
+            return None
+        out = {}
+        for name, t in self.module.state_dict(keep_vars=True).items():
+            # a clone per name: tied weights (wte / lm_head) must not share storage in the file
+            out[name] = (full[id(t)] if id(t) in full else t.detach().float().cpu()).clone()
+        return out

@@ -1,0 +1,133 @@
+"""FSDP2 (`torch.distributed.fsdp.fully_shard`): parameters, gradients and optimizer state
+sharded — ZeRO-3.
+
+Each transformer block is its own FSDP unit, and the root (embeddings, final norm, head) another,
+so only one block's full parameters exist at a time. The sharded parameters are fp32 DTensors:
+under bf16/fp16 they *are* the master weights, and MixedPrecisionPolicy all-gathers them in the
+compute dtype and reduce-scatters gradients in fp32. In fp32 there is no policy.
+
+Communication is derived from FSDP2's schedule, not intercepted: each forward of a unit all-gathers
+its parameters, each backward of a unit that resharded after forward all-gathers them again, and
+each synchronised backward reduce-scatters its gradients.
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Optional
+
+import torch
+import torch.nn as nn
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+
+from zerolab.memory import StorageCounter
+from zerolab.strategies.base import OptimizerFactory, StepInfo, Strategy
+
+
+def _local(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+class FSDPStrategy(Strategy):
+    name = "fsdp"
+    sharded_grads = True
+
+    def setup(self, model: nn.Module, param_groups: list[dict], make_optimizer: OptimizerFactory) -> nn.Module:
+        p = self.precision
+        if p.name == "bf16_pure":
+            model.to(device=self.ctx.device, dtype=torch.bfloat16)
+            mp = MixedPrecisionPolicy()
+        else:
+            model.to(self.ctx.device)  # fp32 shards; the policy casts for compute
+            mp = (MixedPrecisionPolicy(param_dtype=p.compute_dtype, reduce_dtype=torch.float32)
+                  if p.compute_dtype != torch.float32 else MixedPrecisionPolicy())
+        self.compute_bytes = torch.finfo(p.compute_dtype).bits // 8
+        self.reduce_bytes = 4 if p.name != "bf16_pure" else 2
+        self.units: list[nn.Module] = list(getattr(model, "blocks", []))
+        for block in self.units:
+            fully_shard(block, mp_policy=mp)  # resharded after forward: re-gathered in backward
+        fully_shard(model, mp_policy=mp)  # the root keeps its parameters between forward and backward
+        self.model = model
+        # fully_shard replaced the parameters with DTensors: rebuild the groups by name.
+        by_name = dict(model.named_parameters())
+        groups = [{**g, "params": [by_name[n] for n in g["names"]]} for g in param_groups]
+        self.params = [q for g in groups for q in g["params"]]
+        self.names = [n for g in groups for n in g["names"]]
+        self.optimizer = make_optimizer(groups)
+        self._count_schedule()
+        self._sync = True
+        self._step_mem: dict[str, int] = {}
+        return model
+
+    # ---- communication, from the schedule ----------------------------------------------------
+    def _count_schedule(self) -> None:
+        def numel(module: nn.Module, root: bool) -> int:
+            inner = {id(q) for u in self.units for q in u.parameters()}
+            return sum(q.numel() for q in module.parameters() if not root or id(q) not in inner)
+
+        for unit, root in [(u, False) for u in self.units] + [(self.model, True)]:
+            n = numel(unit, root)
+
+            def on_forward(module, args, _n=n, _root=root):
+                if torch.is_grad_enabled() and module.training:
+                    self.comm.record("all_gather", _n, self.compute_bytes)
+                    if not _root:  # resharded after forward: gathered again for backward
+                        self.comm.record("all_gather", _n, self.compute_bytes)
+                    if self._sync:
+                        self.comm.record("reduce_scatter", _n, self.reduce_bytes)
+
+            unit.register_forward_pre_hook(on_forward)
+
+    @contextmanager
+    def no_sync(self):
+        # Accumulate unsharded gradients locally; the last micro-batch reduce-scatters the sum.
+        self.model.set_requires_gradient_sync(False)
+        self._sync = False
+        try:
+            yield
+        finally:
+            self.model.set_requires_gradient_sync(True)
+            self._sync = True
+
+    def step(self, lr: float) -> StepInfo:
+        self.set_lr(lr)
+        grads = [_local(q.grad) for q in self.params if q.grad is not None]
+        self._step_mem = self._measure()
+        info = self.unscale_clip_update(grads)
+        self.optimizer.zero_grad(set_to_none=True)
+        return info
+
+    def describe_nonfinite(self) -> str:
+        for name, q in zip(self.names, self.params):
+            g = _local(q.grad)
+            if g is not None and not torch.isfinite(g).all():
+                return f"first non-finite gradient shard on this rank: {name}"
+        return "no single gradient shard is non-finite; their norm overflowed"
+
+    # ---- memory --------------------------------------------------------------------------------
+    def _measure(self) -> dict[str, int]:
+        c = StorageCounter()
+        shards = [_local(q) for q in self.params]
+        # Under mixed precision the fp32 shards are the master weights; the compute-dtype copies
+        # exist only while a unit is gathered.
+        c.add("master" if self.precision.master_weights else "params", shards)
+        c.add("grads", (_local(q.grad) for q in self.params))
+        c.add("optim_state", (_local(v) for state in self.optimizer.state.values() for v in state.values()
+                              if isinstance(v, torch.Tensor) and v.ndim > 0))
+        c.add("buffers", self.model.buffers())
+        return c.result()
+
+    def memory(self) -> dict[str, int]:
+        """The larger of what existed just before the last update (gradients alive) and now."""
+        now = self._measure()
+        return {k: max(v, self._step_mem.get(k, 0)) for k, v in now.items()}
+
+    # ---- weights -------------------------------------------------------------------------------
+    @torch.no_grad()
+    def consolidated_state_dict(self) -> Optional[dict[str, torch.Tensor]]:
+        out = {}
+        for name, t in self.model.state_dict().items():  # collective: same order on every rank
+            full = t.full_tensor() if isinstance(t, DTensor) else t
+            if self.ctx.is_main:
+                out[name] = full.detach().float().cpu().clone()
+        return out if self.ctx.is_main else None
