@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# One machine, one process per GPU (or 2 on CPU): Hydra overrides pass straight through.
+#
+#   launch/torchrun.sh strategy=zero2 trainer.max_steps=100
+#   NPROC=4 launch/torchrun.sh model=gpt_small
+#
+# Every rank's stdout/stderr is tee'd (torchrun --tee 3) to the console and to
+# <run dir>/logs/rank<r>.{out,err}; <run dir>/status says completed or failed at the end.
+# Python: $ZEROLAB_PYTHON, else the active virtualenv, else the repository's .venv, else python3.
+set -uo pipefail
+
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+if [[ -n ${ZEROLAB_PYTHON:-} ]]; then PYTHON=$ZEROLAB_PYTHON
+elif [[ -n ${VIRTUAL_ENV:-} ]]; then PYTHON=$VIRTUAL_ENV/bin/python
+elif [[ -x $ROOT/.venv/bin/python ]]; then PYTHON=$ROOT/.venv/bin/python
+else PYTHON=python3; fi
+
+if [[ -z ${NPROC:-} ]]; then
+    NPROC=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
+    [[ $NPROC -gt 0 ]] || NPROC=2
+fi
+
+# Choose (and validate) the run directory once, so the logs can go into it.
+RUN_DIR=$("$PYTHON" "$ROOT/launch/run_dir.py" "$@") || exit $?
+LOGS=$RUN_DIR/logs
+echo "zerolab: $NPROC ranks, run dir $RUN_DIR"
+
+"$PYTHON" -m torch.distributed.run --standalone --nproc_per_node="$NPROC" \
+    --log-dir "$LOGS/torchrun" --tee 3 \
+    "$ROOT/train.py" "$@" "run.dir=$RUN_DIR"
+rc=$?
+
+# torchrun nests its logs as <log dir>/<run id>/attempt_<n>/<local rank>/{stdout,stderr}.log;
+# link them as rank<r>.out/.err (one node: local rank = rank).
+for f in "$LOGS"/torchrun/*/attempt_*/*/std{out,err}.log; do
+    [[ -f $f ]] || continue
+    r=$(basename "$(dirname "$f")")
+    ext=out; [[ $f == *stderr.log ]] && ext=err
+    ln -sfn "${f#"$LOGS"/}" "$LOGS/rank$r.$ext"
+done
+if [[ $rc -eq 0 ]]; then echo completed >"$RUN_DIR/status"; else echo failed >"$RUN_DIR/status"; fi
+exit $rc
