@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: install run test clean
+.PHONY: install run test clean slurm-deps
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -24,8 +24,19 @@ install: $(STAMP)
 run: install
 	$(VENV)/bin/torchrun --standalone --nproc_per_node=2 train.py trainer.max_steps=200 $(ARGS)
 
-test: install
+test: install slurm-deps
 	$(PY) -m pytest $(ARGS)
+
+# The Slurm tests (tests/test_slurm.py) need Debian's slurm-wlm and munge. Installed here when
+# missing and we are root with apt-get (as in CI); a no-op when present. Otherwise, or if apt-get
+# fails, nothing stops: those tests skip and print why.
+slurm-deps:
+	@if command -v slurmctld >/dev/null && command -v slurmd >/dev/null && command -v munged >/dev/null; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	  echo "installing slurm-wlm and munge for the Slurm tests (apt-get)"; \
+	  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq slurm-wlm munge >/dev/null; } \
+	    || echo "apt-get could not install slurm-wlm/munge: the Slurm tests will skip"; \
+	else echo "slurm-wlm/munge missing and not root with apt-get: the Slurm tests will skip"; fi
 
 clean:
 	rm -rf $(VENV) runs multirun outputs report
