@@ -1,0 +1,169 @@
+"""The memory ledger's formulas against hand-computed values, the meta-device parameter count
+against an independent count, and the `python -m zerolab memory` CLI."""
+import json
+import logging
+import math
+
+import pytest
+import torch
+
+from conftest import run_python
+from zerolab.memory import (check_against, load_model_config, predict, shape_from_model_config,
+                            shape_from_params, zero_buckets, ModelShape)
+
+BIG = 1e6  # bucket_mb large enough for one bucket per group
+
+
+def by_hand(params, grads, master, optim_state, buffers=0):
+    out = {"params": params, "grads": grads, "master": master, "optim_state": optim_state, "buffers": buffers}
+    out["model_states"] = params + grads + master + optim_state
+    out["total"] = out["model_states"] + buffers
+    return out
+
+
+@pytest.mark.parametrize("precision,c,master,s", [("fp32", 4, 0, 4), ("bf16", 2, 4, 4), ("fp16", 2, 4, 4),
+                                                  ("bf16_pure", 2, 0, 2)])
+@pytest.mark.parametrize("world", [1, 2, 3, 8])
+def test_ddp_by_hand(precision, c, master, s, world):
+    n = 1001
+    got = predict(shape_from_params(n), "ddp", world, precision, state_elements=2).bytes()
+    assert got == by_hand(c * n, c * n, master * n, 2 * s * n)  # nothing depends on N
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 7, 8, 64])
+@pytest.mark.parametrize("precision,c", [("fp32", 4), ("bf16", 2)])
+def test_zero1_zero2_by_hand(world, precision, c):
+    n = 1001  # prime to 2, 4, 8, 64; divisible by 7
+    shard = math.ceil(n / world)
+    padded = shard * world
+    z1 = predict(shape_from_params(n), "zero1", world, precision, bucket_mb=BIG, state_elements=2).bytes()
+    z2 = predict(shape_from_params(n), "zero2", world, precision, bucket_mb=BIG, state_elements=2).bytes()
+    # weights (with the bucket's padding), whole grads + fp32 grad shard, fp32 master shard, 2 × fp32 state
+    assert z1 == by_hand(c * padded, c * padded + 4 * shard, 4 * shard, 8 * shard)
+    assert z2 == by_hand(c * padded, 4 * shard, 4 * shard, 8 * shard)
+
+
+def test_zero_buckets_follow_the_sharder_packing():
+    # registration order: g0 60, g1 30, g0 50, g1 7. Reverse order, one open bucket per group,
+    # a bucket closes at >= 100 elements (bf16: 200 bytes): g0 closes at 50 + 60 = 110, g1 holds 37.
+    shape = ModelShape("t", ((0, (6, 10)), (1, (30,)), (0, (50,)), (1, (7,))))
+    assert sorted(zero_buckets(shape, 4, 2, 200 / 2 ** 20)) == [40, 112]
+    assert sorted(zero_buckets(shape, 1, 2, BIG)) == [37, 110]
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 5, 8])
+def test_zero3_by_hand(world):
+    n = 1001
+    shard = math.ceil(n / world)
+    assert predict(shape_from_params(n), "zero3", world, "bf16", state_elements=2).bytes() == \
+        by_hand(2 * shard, 2 * shard, 4 * shard, 8 * shard)
+    assert predict(shape_from_params(n), "zero3", world, "fp32", state_elements=2).bytes() == \
+        by_hand(4 * shard, 4 * shard, 0, 8 * shard)
+
+
+@pytest.mark.parametrize("world", [1, 4, 8, 64])
+def test_paper_table(world):
+    """Mixed-precision AdamW (K = 12) with Ψ divisible by N: the ZeRO paper's per-rank bytes, and
+    zerolab's sharder above it by exactly its fp32 gradient shard (documented in the ledger)."""
+    n = 64 * 10 ** 6
+    ms = lambda s: predict(shape_from_params(n), s, world, "bf16", "adamw", bucket_mb=BIG).bytes()["model_states"]
+    assert ms("ddp") == (2 + 2 + 12) * n
+    assert ms("zero3") == (4 + 12) * n // world
+    assert ms("zero1") - (4 * n + 12 * n // world) == 4 * n // world  # paper: no separate gradient shard
+    assert ms("zero2") - (2 * n + 14 * n // world) == 2 * n // world  # paper: a 16-bit gradient shard
+
+
+def test_deepspeed_and_fsdp_terms():
+    n, N = 1000, 3
+    # DeepSpeed 1/2: flat buffer padded to a multiple of 2N = 6 -> 1002, partitions of 334
+    ds1 = predict(shape_from_params(n), "deepspeed", N, "bf16", stage=1, bucket_mb=BIG, state_elements=2).bytes()
+    assert ds1["params"] == 2 * 1002 and ds1["master"] == 4 * 334 and ds1["optim_state"] == 8 * 334
+    assert ds1["grads"] == 2 * n + 4 * 334  # whole 16-bit grads + the fp32 partition built in step()
+    ds2 = predict(shape_from_params(n), "deepspeed", N, "bf16", stage=2, bucket_mb=BIG, state_elements=2).bytes()
+    assert ds2["grads"] == 2 * 334 + 4 * 334
+    # in fp32 DeepSpeed still keeps a separate fp32 weight partition
+    assert predict(shape_from_params(n), "deepspeed", N, "fp32", stage=2, state_elements=2).bytes()["master"] == 4 * 334
+    # FSDP2 shards dim 0 of every tensor, padded: a (10, 7) tensor over 3 ranks -> 4 rows x 7
+    shape = ModelShape("t", ((0, (10, 7)),))
+    f = predict(shape, "fsdp", 3, "bf16", state_elements=2).bytes()
+    assert f == by_hand(0, 4 * 28, 4 * 28, 8 * 28)
+    with pytest.raises(ValueError, match="--stage"):
+        predict(shape_from_params(n), "deepspeed", N, "bf16", state_elements=2)
+
+
+def gpt_count_by_hand(V, T, C, L, bias):
+    """wte + wpe + L blocks + final norm; the head is tied to wte (counted once)."""
+    block = 12 * C * C + (13 * C if bias else 2 * C)  # qkv 3C², proj C², fc 4C², proj 4C²; biases/norms
+    return V * C + T * C + L * block + (2 * C if bias else C)
+
+
+@pytest.mark.parametrize("name", ["gpt_tiny", "gpt_small", "gpt2_124m"])
+@pytest.mark.parametrize("bias", [True, False])
+def test_meta_gpt_param_count(name, bias):
+    from zerolab.models import build_model, count_params
+
+    mcfg = load_model_config(name)
+    mcfg.bias = bias
+    shape = shape_from_model_config(mcfg)
+    expect = gpt_count_by_hand(mcfg.vocab_size, mcfg.block_size, mcfg.n_embd, mcfg.n_layer, bias)
+    assert shape.n_params == expect == count_params(build_model(mcfg, device="meta"))
+    if name == "gpt2_124m" and bias:
+        assert expect == 124_475_904
+
+
+def test_optimizer_state_is_measured_and_matches_a_real_optimizer():
+    from zerolab.config import OptimConfig
+    from zerolab.memory import StorageCounter
+    from zerolab.optim import build_optimizer
+
+    shape = ModelShape("t", ((0, (16, 8)),))
+    for optim in ("adamw", "adam", "lamb", "lars", "sgd", "sgd_momentum"):
+        for precision, dtype in (("fp32", torch.float32), ("bf16_pure", torch.bfloat16)):
+            p = torch.nn.Parameter(torch.randn(16, 8, dtype=dtype))
+            opt = build_optimizer(OptimConfig(name=optim), [{"params": [p], "weight_decay": 0.0}])
+            p.grad = torch.randn_like(p)
+            opt.step()
+            real = StorageCounter().add_optimizer(opt).bytes["optim_state"]
+            assert predict(shape, "ddp", 1, precision, optim).bytes()["optim_state"] == real, (optim, precision)
+
+
+def test_check_against_warns_naming_the_category(caplog):
+    pred = predict(shape_from_params(1000), "ddp", 2, "fp32", state_elements=2)
+    want = pred.bytes()
+    fine = {f"mem/{k}_bytes": v for k, v in want.items()}
+    over = dict(fine, **{"mem/grads_bytes": int(want["grads"] * 1.2)})
+    with caplog.at_level(logging.WARNING, logger="zerolab.memory"):
+        keys, summary = check_against(pred, [fine, over])
+    assert keys["rank1/mem_pred/grads_bytes"] == want["grads"]
+    assert summary["measured_over_predicted"][0]["model_states"] == 1.0
+    assert summary["measured_over_predicted"][1]["grads"] == pytest.approx(1.2)
+    assert len(summary["warnings"]) == 1 and "grads" in summary["warnings"][0] and "rank 1" in summary["warnings"][0]
+    assert "grads" in caplog.text
+
+
+def test_cli_7b_worked_example():
+    out = run_python("-m", "zerolab", "memory", "--params", "7e9", "--world", "1", "--strategy", "ddp",
+                     "--precision", "bf16", "--optim", "adamw").stdout
+    assert "16.000 bytes/param = 112.00 GB" in out
+    assert "= 75.0% of model states" in out
+    data = json.loads(run_python("-m", "zerolab", "memory", "--params", "7e9", "--json").stdout)
+    assert data["bytes"]["model_states"] == 112 * 10 ** 9 and data["state_elements_per_param"] == 2
+
+
+def test_cli_sweep_writes_plot(tmp_path):
+    png = tmp_path / "sweep.png"
+    proc = run_python("-m", "zerolab", "memory", "--model", "gpt_tiny", "--sweep-world", "1,2,4,8",
+                      "--plot", str(png), "--json")
+    data = json.loads(proc.stdout)
+    assert png.stat().st_size > 1000 and png.read_bytes()[:4] == b"\x89PNG"
+    for label in ("ddp", "zero1", "zero2", "zero3", "deepspeed-2", "fsdp"):
+        values = data["total_bytes"][label]
+        assert len(values) == 4
+        assert all(a >= b for a, b in zip(values, values[1:])), label  # per-rank bytes never grow with N
+
+
+def test_cli_errors_are_clear():
+    proc = run_python("-m", "zerolab", "memory", "--params", "7e9", "--strategy", "deepspeed", check=False)
+    assert proc.returncode == 2 and "--stage 1, 2 or 3" in proc.stderr
+    proc = run_python("-m", "zerolab", "memory", "--model", "nope", check=False)
+    assert proc.returncode == 2 and "known models" in proc.stderr
