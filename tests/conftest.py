@@ -61,3 +61,11 @@ def max_rel_diff(a: dict, b: dict) -> float:
         x, y = a[k].double(), b[k].double()
         worst = max(worst, ((x - y).abs().max() / y.abs().max().clamp_min(1e-12)).item())
     return worst
+
+
+def rel_l2_diff(a: dict, b: dict) -> float:
+    """max over tensors of ‖a−b‖₂ / ‖b‖₂: the relative error of each tensor as a whole. Unlike an
+    elementwise max it does not single out the few elements whose gradient is ~0, where Adam's
+    normalised update turns last-bit summation differences into lr-sized steps."""
+    assert a.keys() == b.keys(), f"different tensor names: {sorted(a.keys() ^ b.keys())}"
+    return max(((a[k].double() - b[k].double()).norm() / b[k].double().norm().clamp_min(1e-12)).item() for k in a)

@@ -61,14 +61,15 @@ def percentile(values: list[float], q: float) -> float:
 
 
 class Trainer:
-    def __init__(self, cfg: Config, ctx: zdist.DistContext):
+    def __init__(self, cfg: Config, ctx: zdist.DistContext, model: Optional[torch.nn.Module] = None):
+        """`model`: train this module (it must map token ids to logits) instead of cfg.model."""
         self.cfg, self.ctx = cfg, ctx
         t = cfg.trainer
         self.run_dir = resolve_run_dir(cfg, ctx)
         self.precision = Precision.from_config(cfg.precision)
 
         torch.manual_seed(t.seed)  # same initial weights on every rank
-        model = build_model(cfg.model, device=ctx.device)
+        model = model.to(ctx.device) if model is not None else build_model(cfg.model, device=ctx.device)
         self.n_params = count_params(model)
         self.mem_pred, self.mem_check = ledger_for_run(cfg, ctx.world_size, model), {}  # predicted bytes per rank
         self.strategy = strategy_class(cfg.strategy.name)(cfg, ctx, self.precision)
