@@ -94,6 +94,18 @@ class ZerolabOptimizer(torch.optim.Optimizer):
     def _apply(self, group: dict, params: list[torch.Tensor], updates: list[torch.Tensor],
                names: list[str]) -> None:
         """p += Δw for every tensor, recording ‖Δw‖² and ‖w‖² first when asked."""
+        if self.track_updates and params[0].dtype != torch.float32 and not is_flat_group(group):
+            # 16-bit weights updated in place (precision=bf16_pure): rounding can swallow the
+            # update, so record the change that actually happened, one tensor at a time.
+            upd_sq, w_sq = [], []
+            for p, u in zip(params, updates):
+                before = p.detach().float()
+                p.add_(u)
+                upd_sq.append((p.detach().float() - before).pow(2).sum())
+                w_sq.append(before.pow(2).sum())
+            self._update_stats.append({"names": names, "partial": False, "update_sq": torch.stack(upd_sq),
+                                       "weight_sq": torch.stack(w_sq)})
+            return
         if self.track_updates:
             self._record(group, params, updates, names)
         if self._foreach(params):

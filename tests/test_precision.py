@@ -1,0 +1,138 @@
+"""Precision modes: why master weights matter, fp16 loss scaling, non-finite gradient policy."""
+import json
+import subprocess
+
+import pytest
+import torch
+
+from conftest import ROOT, TORCHRUN, base_env, read_metrics, run_train
+from zerolab.config import PrecisionConfig
+from zerolab.optim import SGD, AdamW
+from zerolab.precision import LossScaler, LossScaleUnderflow, MasterCopy
+
+
+def test_ten_thousand_small_updates_need_a_master_copy():
+    """1.0 + 1e-4 rounds back to 1.0 in bf16 (its spacing at 1 is 2^-7 ≈ 0.0078), every time."""
+    pure = torch.nn.Parameter(torch.ones(1, dtype=torch.bfloat16))
+    model_w = torch.nn.Parameter(torch.ones(1, dtype=torch.bfloat16))
+    master = MasterCopy([model_w])
+    opt_pure, opt_master = SGD([pure], lr=1e-4), SGD(master.master, lr=1e-4)
+    for _ in range(10_000):
+        pure.grad = -torch.ones_like(pure)  # Δw = −lr·g = +1e-4
+        opt_pure.step()
+        model_w.grad = -torch.ones_like(model_w)
+        master.grads_to_master()
+        opt_master.step()
+        master.master_to_model()
+    assert pure.item() == 1.0
+    assert master.master[0].item() == pytest.approx(2.0, abs=1e-3)
+    assert model_w.item() == pytest.approx(2.0, abs=1e-2)  # the bf16 copy follows the master
+
+
+def test_update_ratio_reports_what_bf16_actually_applied():
+    w = torch.nn.Parameter(torch.ones(4, 4, dtype=torch.bfloat16))
+    opt = AdamW([w], lr=1e-4, weight_decay=0.0)
+    w.grad = torch.randn(4, 4).to(torch.bfloat16)
+    opt.track_updates = True
+    opt.step()
+    (rec,) = opt.pop_update_stats()
+    assert rec["update_sq"].sum().item() == 0.0 and torch.equal(w.detach(), torch.ones_like(w))
+
+
+def test_loss_scaler_rules():
+    s = LossScaler(PrecisionConfig(name="fp16", initial_scale=2.0 ** 16, growth_interval=3, min_scale=2.0 ** 14), True)
+    for _ in range(3):
+        s.update(found_inf=False, step=0)
+    assert s.scale == 2.0 ** 17  # ×2 after growth_interval clean steps
+    s.update(found_inf=True, step=3)
+    s.update(found_inf=True, step=4)
+    assert s.scale == 2.0 ** 15 and s.skipped_steps == 2
+    with pytest.raises(LossScaleUnderflow, match="step 6.*min_scale"):
+        s.update(found_inf=True, step=5)
+        s.update(found_inf=True, step=6)
+    restored = LossScaler(PrecisionConfig(name="fp16"), True)
+    restored.load_state_dict(s.state_dict())
+    assert restored.state_dict() == s.state_dict()
+
+
+COMMON = ["model=gpt_tiny", "data=text", "trainer.eval_every=0", "logging.layer_stats_every=0"]
+
+# Each rank saves its own weights after training (the consolidated file only shows rank 0's).
+PER_RANK = """
+import sys, torch
+from zerolab import dist as zdist
+from zerolab.config import compose
+from zerolab.trainer import Trainer
+out, overrides = sys.argv[1], sys.argv[2:]
+cfg = compose(overrides)
+ctx = zdist.init(cfg.dist)
+try:
+    trainer = Trainer(cfg, ctx)
+    trainer.fit()
+    s = trainer.strategy
+    weights = {f"model/{n}": p.detach().float().clone() for n, p in s.model.named_parameters()}
+    if getattr(s, "master", None):
+        weights.update({f"master/{n}": m.detach().clone() for n, m in zip(s.names, s.master.master)})
+    torch.save(weights, f"{out}/rank{ctx.rank}.pt")
+finally:
+    zdist.shutdown(ctx)
+"""
+
+
+def test_fp16_injected_inf_skips_that_step_on_every_rank(tmp_path):
+    script = tmp_path / "per_rank.py"
+    script.write_text(PER_RANK)
+    run = tmp_path / "run"
+    run.mkdir()
+    cmd = [*TORCHRUN, "--standalone", "--nproc_per_node=2", str(script), str(run), f"run.dir={run}",
+           "logging.wandb.mode=disabled", "logging.progress=false", *COMMON, "precision=fp16",
+           "strategy=ddp", "trainer.max_steps=6", "fault.inf_grad_step=3", "fault.inf_grad_rank=1"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=base_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    m = read_metrics(run)
+    assert [r["skipped"] for r in m] == [False, False, False, True, False, False]  # "step" 4 = 0-based 3
+    scales = [r["loss_scale"] for r in m]
+    assert scales[:3] == [65536.0] * 3 and scales[3:] == [32768.0] * 3
+    assert m[-1]["skipped_steps"] == 1 and m[-1]["loss"] < m[0]["loss"]
+    r0, r1 = (torch.load(run / f"rank{r}.pt", weights_only=True) for r in (0, 1))
+    assert r0.keys() == r1.keys() and any(k.startswith("master/") for k in r0)
+    for k in r0:
+        assert torch.equal(r0[k], r1[k]), f"{k} differs between ranks after the skipped step"
+        assert torch.isfinite(r0[k]).all(), k
+
+
+def test_nonfinite_gradient_stop_names_step_and_tensor(tmp_path):
+    proc = run_train(tmp_path / "stop", 2, *COMMON, "precision=fp32", "trainer.max_steps=4",
+                     "fault.inf_grad_step=2", check=False)
+    assert proc.returncode != 0
+    err = proc.stdout + proc.stderr
+    assert "NonFiniteGradient" in err and "step 2 (0-based" in err and "first non-finite gradient: wte.weight" in err
+
+
+def test_nonfinite_gradient_skip_continues(tmp_path):
+    run = tmp_path / "skip"
+    proc = run_train(run, 2, *COMMON, "precision=bf16", "trainer.max_steps=4", "trainer.nonfinite=skip",
+                     "fault.inf_grad_step=1")
+    assert [r["skipped"] for r in read_metrics(run)] == [False, True, False, False]
+    assert "skipping the update (trainer.nonfinite=skip)" in proc.stdout + proc.stderr
+
+
+def test_bf16_pure_stalls_where_master_weights_keep_improving(tmp_path):
+    """A small constant lr (1e-5): AdamW's updates (~lr per element) are below half of bf16's
+    spacing for most weights (~6e-5 at 0.02), so without a master copy they round away."""
+    eval_loss, ratio = {}, {}
+    for prec in ("bf16", "bf16_pure"):
+        run = tmp_path / prec
+        run_train(run, 2, *COMMON, f"precision={prec}", "model.bias=false", "trainer.max_steps=80",
+                  "trainer.log_every=20", "optim.lr=1e-5", "optim.decay=constant", "optim.warmup_steps=0",
+                  "optim.weight_decay=0")
+        summary = json.loads((run / "summary.json").read_text())
+        eval_loss[prec] = summary["eval_loss"]
+        ratio[prec] = read_metrics(run)[-1]["update_ratio"]
+    start = 5.35  # loss of the untrained model on this data (both runs share init and batches)
+    gain_master, gain_pure = start - eval_loss["bf16"], start - eval_loss["bf16_pure"]
+    assert gain_master > 0.15, eval_loss
+    assert eval_loss["bf16_pure"] - eval_loss["bf16"] > 0.08, eval_loss
+    assert gain_pure < 0.7 * gain_master, eval_loss
+    # The applied update is what shrinks: bf16_pure's realized ‖Δw‖/‖w‖ vs the master copy's.
+    assert ratio["bf16_pure"] < 0.6 * ratio["bf16"], ratio  # measured 0.51
