@@ -119,6 +119,18 @@ def _sha256(path: str) -> str:
     return h.hexdigest()
 
 
+def load_torch_file(path: str, map_location: str = "cpu"):
+    """torch.load restricted to tensors and plain containers (weights_only=True): a file that
+    would need to unpickle code (a callable, a custom class) is refused, never executed."""
+    import pickle
+
+    try:
+        return torch.load(path, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as err:
+        raise CheckpointError(f"{path}: refused, it holds pickled objects other than tensors and plain "
+                              f"containers, which zerolab never unpickles ({str(err).splitlines()[0]})") from err
+
+
 # ---- what a model and an optimizer look like ------------------------------------------------------
 def model_layout(model: torch.nn.Module) -> dict:
     """Parameter names and shapes, tied aliases (a second name of one parameter) and state-dict order."""
