@@ -139,9 +139,9 @@ def test_srun_ranks_without_torchrun_match(cluster, zero2_job, tmp_path):
 
 
 def test_failed_run_writes_failed(cluster, tmp_path):
-    # Rank 1 exits abruptly before step 2; torchrun stops the other rank, srun and the job fail.
+    # Rank 1 exits abruptly before its first step; torchrun stops the other rank, srun and the job fail.
     proc, job, log = sbatch_wait(cluster, tmp_path, *TRAIN, f"run.dir={tmp_path}/run",
-                                 "fault.kill_rank=1", "fault.at_step=2", "fault.mode=exit")
+                                 "fault.kill_rank=1", "fault.at_step=0", "fault.mode=exit")
     assert proc.returncode != 0, log
     assert (tmp_path / "run" / "status").read_text().strip() == "failed", log
 
