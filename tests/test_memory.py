@@ -75,12 +75,16 @@ def test_paper_table(world):
 
 def test_deepspeed_and_fsdp_terms():
     n, N = 1000, 3
-    # DeepSpeed 1/2: flat buffer padded to a multiple of 2N = 6 -> 1002, partitions of 334
-    ds1 = predict(shape_from_params(n), "deepspeed", N, "bf16", stage=1, bucket_mb=BIG, state_elements=2).bytes()
-    assert ds1["params"] == 2 * 1002 and ds1["master"] == 4 * 334 and ds1["optim_state"] == 8 * 334
-    assert ds1["grads"] == 2 * n + 4 * 334  # whole 16-bit grads + the fp32 partition built in step()
-    ds2 = predict(shape_from_params(n), "deepspeed", N, "bf16", stage=2, bucket_mb=BIG, state_elements=2).bytes()
-    assert ds2["grads"] == 2 * 334 + 4 * 334
+    # DeepSpeed 1/2: flat buffer padded to a multiple of 2N = 6 -> 1002, partitions of 334; the
+    # 16-bit gradients of this partition stay, the fp32 gradient partition lives inside step()
+    for stage in (1, 2):
+        ds = predict(shape_from_params(n), "deepspeed", N, "bf16", stage=stage, bucket_mb=BIG, state_elements=2)
+        assert ds.bytes() == by_hand(2 * 1002, 2 * 334, 4 * 334, 8 * 334)
+        assert 4 * 334 in [t.bytes for t in ds.terms if t.category == "transient"]
+    # with real tensors, every tensor overlapping the partition keeps its whole gradient
+    shape = ModelShape("t", ((0, (500,)), (0, (300,)), (0, (200,))))  # partitions [0,334) [334,668) [668,1002)
+    assert [predict(shape, "deepspeed", N, "bf16", stage=2, state_elements=2, rank=r).bytes()["grads"]
+            for r in range(N)] == [2 * 500, 2 * 800, 2 * 500]
     # in fp32 DeepSpeed still keeps a separate fp32 weight partition
     assert predict(shape_from_params(n), "deepspeed", N, "fp32", stage=2, state_elements=2).bytes()["master"] == 4 * 334
     # FSDP2 shards dim 0 of every tensor, padded: a (10, 7) tensor over 3 ranks -> 4 rows x 7
@@ -133,7 +137,7 @@ def test_check_against_warns_naming_the_category(caplog):
     fine = {f"mem/{k}_bytes": v for k, v in want.items()}
     over = dict(fine, **{"mem/grads_bytes": int(want["grads"] * 1.2)})
     with caplog.at_level(logging.WARNING, logger="zerolab.memory"):
-        keys, summary = check_against(pred, [fine, over])
+        keys, summary = check_against([pred, pred], [fine, over])
     assert keys["rank1/mem_pred/grads_bytes"] == want["grads"]
     assert summary["measured_over_predicted"][0]["model_states"] == 1.0
     assert summary["measured_over_predicted"][1]["grads"] == pytest.approx(1.2)

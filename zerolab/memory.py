@@ -86,8 +86,10 @@ log = logging.getLogger(__name__)
 
 COMPUTE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "bf16_pure": 2}
 MIXED = ("bf16", "fp16")  # precisions with an fp32 master copy
-PREDICTED_STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "deepspeed", "fsdp")
-DS_PERSISTENCE_THRESHOLD = 100_000  # DeepSpeed stage 3: params this small stay whole on every rank
+PREDICTED_STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "deepspeed", "fsdp", "torch_zero")
+# DeepSpeed stage 3 keeps tensors of at most this many elements whole on every rank. DeepSpeed's
+# default is 1e5; zerolab's deepspeed strategy sets stage3_param_persistence_threshold to 0.
+DS_PERSISTENCE_THRESHOLD = 0
 GB, GIB = 1e9, 2 ** 30
 
 
@@ -98,6 +100,9 @@ class ModelShape:
     name: str
     tensors: tuple  # ((group index, shape), ...)
     buffer_bytes: int = 0
+    # False for a bare parameter count: tensor boundaries are unknown, so strategies that place
+    # whole tensors (torch_zero, DeepSpeed's gradient partitions) are taken as evenly divided.
+    exact: bool = True
 
     @property
     def shapes(self) -> list[tuple]:
@@ -120,7 +125,7 @@ def shape_from_params(n: float) -> ModelShape:
     n = int(round(float(n)))
     if n <= 0:
         raise ValueError(f"--params must be a positive number of parameters, got {n}")
-    return ModelShape(f"{n:.3g} params", ((0, (n,)),))
+    return ModelShape(f"{n:.3g} params", ((0, (n,)),), exact=False)
 
 
 def shape_from_model(model, weight_decay: float = 0.1, name: str = "model") -> ModelShape:
@@ -245,7 +250,7 @@ def _fmt_n(n: int) -> str:
 
 def predict(shape: ModelShape, strategy: str, world: int = 1, precision: str = "bf16", optim: str = "adamw",
             stage: int = 0, bucket_mb: float = 25.0, state_elements: float | None = None,
-            reduce_dtype: str = "auto") -> Prediction:
+            reduce_dtype: str = "auto", rank: int = 0) -> Prediction:
     """Predicted bytes on one rank. `state_elements` overrides the measured optimizer state
     (elements per parameter), e.g. for tests of the formulas."""
     if world < 1:
@@ -260,9 +265,9 @@ def predict(shape: ModelShape, strategy: str, world: int = 1, precision: str = "
     name = f"deepspeed-{stage}" if strategy == "deepspeed" else strategy
     pred = Prediction(name, precision, optim, world, shape.name, shape.n_params, k)
     builder = {"ddp": _ddp, "zero1": _zero12, "zero2": _zero12, "zero3": _zero3,
-               "deepspeed": _deepspeed, "fsdp": _fsdp}[strategy]
+               "deepspeed": _deepspeed, "fsdp": _fsdp, "torch_zero": _torch_zero}[strategy]
     builder(pred, shape, strategy=strategy, world=world, precision=precision, k=k, stage=stage,
-            bucket_mb=bucket_mb, bucket_bytes=int(bucket_mb * 2 ** 20), reduce_dtype=reduce_dtype)
+            bucket_mb=bucket_mb, bucket_bytes=int(bucket_mb * 2 ** 20), reduce_dtype=reduce_dtype, rank=rank)
     return pred
 
 
@@ -347,7 +352,26 @@ def _zero3(p: Prediction, shape: ModelShape, *, world, precision, k, **_):
     p.notes.append("formula only (Rajbhandari et al. 2019); zerolab has no own stage-3 sharder")
 
 
-def _deepspeed(p: Prediction, shape: ModelShape, *, world, precision, k, stage, bucket_bytes, **_):
+def ds_grads_in_partition(shape: ModelShape, world: int, rank: int) -> int:
+    """Elements of DeepSpeed 1/2's 16-bit gradient buffer on `rank` (grads_in_partition): every
+    tensor that overlaps the rank's partition of its group's flat buffer, whole."""
+    if not shape.exact:
+        return sum(_ceil_div(x, 2 * world) * 2 for x in shape.group_numels)
+    total = 0
+    for g, numel in enumerate(shape.group_numels):
+        part = _ceil_div(numel, 2 * world) * 2  # padded to 2N, split in N
+        lo, hi, off = rank * part, (rank + 1) * part, 0
+        for gi, s in shape.tensors:
+            if gi != g:
+                continue
+            x = math.prod(s)
+            if off < hi and off + x > lo:
+                total += x
+            off += x
+    return total
+
+
+def _deepspeed(p: Prediction, shape: ModelShape, *, world, precision, k, stage, bucket_bytes, rank, **_):
     """DeepSpeed 0.19 as it allocates (runtime/zero/stage_1_and_2.py, stage3.py), at the moment of the
     optimizer update, where its model states peak."""
     n, c, dt, N = shape.n_params, COMPUTE_BYTES[precision], _dtype_name(precision), world
@@ -360,15 +384,17 @@ def _deepspeed(p: Prediction, shape: ModelShape, *, world, precision, k, stage, 
         padded = [_ceil_div(g, 2 * N) * 2 * N for g in shape.group_numels]
         part = sum(g // N for g in padded)
         p.add("params", sum(padded) * c, f"{dt} flat weight buffer, padded to a multiple of 2N: {_fmt_n(sum(padded))} × {c}")
-        if stage == 1:
-            p.add("grads", n * c, f"{dt} gradients, whole, until the step: Ψ × {c}")
-        else:
-            p.add("grads", part * c, f"{dt} gradients of this partition (contiguous buffer): {_fmt_n(part)} × {c}")
-        p.add("grads", part * 4, f"fp32 gradient partition, built in step(): {_fmt_n(part)} × 4")
+        # With overlap_comm (zerolab's default) stage 1 reduces during backward like stage 2: the
+        # rank keeps the gradients of the tensors that overlap its partition, whole.
+        owned = ds_grads_in_partition(shape, N, rank)
+        p.add("grads", owned * c, f"{dt} gradients of the tensors overlapping this partition, whole "
+                                  f"(grads_in_partition): {_fmt_n(owned)} × {c}")
+        p.add("transient", part * 4, f"fp32 gradient partition, alive inside step() only: {_fmt_n(part)} × 4")
         p.add("master", part * 4, f"fp32 weight partition (kept even in fp32 training): {_fmt_n(part)} × 4")
         p.add("optim_state", part * k * 4, f"optimizer state of the partition: {_fmt_n(part)} × {k:g} × 4")
-        p.add("buffers", min(bucket_bytes, n * c), f"{dt} reduce bucket (reduce_bucket_size = strategy.bucket_mb)")
-        p.notes.append("vs the paper: an fp32 gradient partition (4Ψ/N) exists during step() on top of the "
+        p.add("transient", min(bucket_bytes, n * c), f"{dt} reduce bucket during backward (reduce_bucket_size = strategy.bucket_mb)")
+        p.notes.append("with overlap_comm, stage 1 frees gradients outside its partition during backward, as stage 2 "
+                       "does; vs the paper: an fp32 gradient partition (4Ψ/N) exists during step() on top of the "
                        f"{dt} gradients" + ("; in fp32 training the fp32 partition duplicates the weights (4Ψ/N)"
                                             if precision == "fp32" else ""))
         return
@@ -379,16 +405,16 @@ def _deepspeed(p: Prediction, shape: ModelShape, *, world, precision, k, stage, 
     persistent = sum(x for x in sizes if x <= DS_PERSISTENCE_THRESHOLD)
     p.add("params", part * c, f"{dt} weight partitions, each tensor padded to N: {_fmt_n(part)} × {c}")
     if persistent:
-        p.add("params", persistent * c, f"small tensors kept whole on every rank (≤ 1e5 elements): {_fmt_n(persistent)} × {c}")
+        p.add("params", persistent * c, f"small tensors kept whole on every rank: {_fmt_n(persistent)} × {c}")
     p.add("grads", part * c, f"{dt} gradient partitions (flat buffer): {_fmt_n(part)} × {c}")
-    p.add("grads", part * 4, f"fp32 gradient partition, built in step(): {_fmt_n(part)} × 4")
+    p.add("transient", part * 4, f"fp32 gradient partition, alive inside step() only: {_fmt_n(part)} × 4")
     p.add("master", part * 4, f"fp32 weight partition (kept even in fp32 training): {_fmt_n(part)} × 4")
     p.add("optim_state", part * k * 4, f"optimizer state of the partition: {_fmt_n(part)} × {k:g} × 4")
-    p.add("buffers", min(bucket_bytes, n * c), f"{dt} reduce bucket (reduce_bucket_size = strategy.bucket_mb)")
+    p.add("transient", min(bucket_bytes, n * c), f"{dt} reduce bucket during backward (reduce_bucket_size = strategy.bucket_mb)")
     biggest = max(sizes)
     p.add("transient", biggest * c, "weights all-gathered for the module being computed (largest tensor)")
-    p.notes.append("vs the paper: the fp32 gradient partition (4Ψ/N) during step(), and small tensors "
-                   "replicated on every rank")
+    p.notes.append("vs the paper: the fp32 gradient partition (4Ψ/N) during step(); with DeepSpeed's default "
+                   "stage3_param_persistence_threshold (1e5, zerolab sets 0) small tensors also stay whole on every rank")
 
 
 def _fsdp(p: Prediction, shape: ModelShape, *, world, precision, k, **_):
@@ -409,6 +435,32 @@ def _fsdp(p: Prediction, shape: ModelShape, *, world, precision, k, **_):
     p.add("transient", biggest * c, f"{dt} unsharded weights of the module being computed (largest tensor)")
     p.notes.append("vs the paper: no separate 16-bit weight shard; the gradient shard is fp32 (4Ψ/N, not 2Ψ/N)"
                    if precision in MIXED else "every model state is sharded on dim 0 of each tensor")
+
+
+def torch_zero_partition(shape: ModelShape, world: int) -> list[int]:
+    """Elements each rank's optimizer owns under torch's ZeroRedundancyOptimizer: per param group,
+    whole tensors largest first, each to the rank with the fewest elements so far (sizes carry
+    over between groups; ties go to the lowest rank)."""
+    if not shape.exact:
+        return [_ceil_div(shape.n_params, world)] * world
+    sizes = [0] * world
+    for g in range(len(shape.group_numels)):
+        numels = sorted((math.prod(s) for gi, s in shape.tensors if gi == g), reverse=True)
+        for x in numels:
+            sizes[sizes.index(min(sizes))] += x
+    return sizes
+
+
+def _torch_zero(p: Prediction, shape: ModelShape, *, world, precision, k, rank, **_):
+    """torch's ZeroRedundancyOptimizer behind DDP: only the optimizer state is sharded, by whole tensors."""
+    _ddp(p, shape, precision=precision, k=k, bucket_bytes=0)
+    owned = torch_zero_partition(shape, world)[rank]
+    s = 2 if precision == "bf16_pure" else 4
+    p.terms = [t for t in p.terms if t.category != "optim_state"]
+    p.add("optim_state", owned * k * s, f"optimizer state of the whole tensors rank {rank} owns: "
+                                        f"{_fmt_n(owned)} × {k:g} × {s}")
+    p.notes.append("whole tensors are assigned greedily, so shards are uneven: "
+                   + ", ".join(f"rank {r} {_fmt_n(x)}" for r, x in enumerate(torch_zero_partition(shape, world))))
 
 
 # ---- formatting -----------------------------------------------------------------------------
@@ -509,6 +561,7 @@ def plot_sweep(path: str, shape: ModelShape, worlds: list[int], table: dict[str,
 def cli_main(argv: list[str]) -> int:
     import argparse
     import json
+    import sys
 
     p = argparse.ArgumentParser(prog="python -m zerolab memory",
                                 description="Predicted memory per rank by category, for any model size and strategy.")
@@ -518,6 +571,7 @@ def cli_main(argv: list[str]) -> int:
     p.add_argument("--world", type=int, default=1, help="data-parallel ranks N")
     p.add_argument("--strategy", default="ddp", choices=PREDICTED_STRATEGIES)
     p.add_argument("--stage", type=int, default=0, help="DeepSpeed ZeRO stage (1, 2, 3) with --strategy deepspeed")
+    p.add_argument("--rank", type=int, default=0, help="which rank (torch_zero's shards are uneven)")
     p.add_argument("--precision", default="bf16", choices=list(COMPUTE_BYTES))
     p.add_argument("--optim", default="adamw", help="adamw | adam | lamb | lars | sgd | sgd_momentum")
     p.add_argument("--bucket-mb", type=float, default=25.0, help="gradient bucket size (strategy.bucket_mb)")
@@ -542,12 +596,14 @@ def cli_main(argv: list[str]) -> int:
             else:
                 print(format_sweep(shape, worlds, table, args.precision, args.optim))
             plot_sweep(args.plot, shape, worlds, table, args.precision, args.optim)
-            print(f"plot: {args.plot}", file=__import__("sys").stderr if args.json else None)
+            print(f"plot: {args.plot}", file=sys.stderr if args.json else sys.stdout)
             return 0
+        if not 0 <= args.rank < args.world:
+            raise ValueError(f"--rank={args.rank} must be in [0, --world={args.world})")
         pred = predict(shape, args.strategy, args.world, args.precision, args.optim, stage=args.stage,
-                       bucket_mb=args.bucket_mb)
+                       bucket_mb=args.bucket_mb, rank=args.rank)
     except (ValueError, NotImplementedError) as e:
-        print(f"error: {e}", file=__import__("sys").stderr)
+        print(f"error: {e}", file=sys.stderr)
         return 2
     print(json.dumps(pred.to_dict(), indent=2) if args.json else format_table(pred))
     return 0
@@ -557,31 +613,40 @@ def cli_main(argv: list[str]) -> int:
 WARN_RATIO = 1.10  # measured above predicted by more than 10% gets a warning
 
 
-def ledger_for_run(cfg, world_size: int, model=None) -> Prediction | None:
+def ledger_for_run(cfg, world_size: int, model=None) -> list[Prediction] | None:
     """The prediction for this run's model (the module about to be trained, else cfg.model built on
-    the meta device), strategy, precision and optimizer on one rank, or None (with the reason
+    the meta device), strategy, precision and optimizer, one per rank; None (with the reason
     logged) where the ledger has no model of the strategy or optimizer."""
     s = cfg.strategy
     try:
         shape = shape_from_model(model, cfg.optim.weight_decay, cfg.model.name) if model is not None \
             else shape_from_model_config(cfg.model, cfg.optim.weight_decay)
-        return predict(shape, s.name, world_size, cfg.precision.name, cfg.optim.name, stage=s.stage,
-                       bucket_mb=s.bucket_mb, reduce_dtype=s.reduce_dtype)
+        k = optimizer_state_elements(cfg.optim.name)
+        one = lambda r: predict(shape, s.name, world_size, cfg.precision.name, cfg.optim.name, stage=s.stage,
+                                bucket_mb=s.bucket_mb, reduce_dtype=s.reduce_dtype, state_elements=k, rank=r)
+        if s.name in ("torch_zero", "deepspeed"):  # strategies whose ranks hold different amounts
+            return [one(r) for r in range(world_size)]
+        return [one(0)] * world_size
     except (ValueError, NotImplementedError) as e:
         log.info("memory ledger: no prediction for this run (%s)", e)
         return None
 
 
-def check_against(pred: Prediction | None, per_rank: list[dict], warn: bool = True) -> tuple[dict, dict]:
+def check_against(preds: list[Prediction] | None, per_rank: list[dict], warn: bool = True) -> tuple[dict, dict]:
     """Hold each rank's measured `mem/<cat>_bytes` (Strategy.memory()) against the prediction.
     Returns (metrics keys `rank{r}/mem_pred/<cat>_bytes`, summary section with measured/predicted
     per rank per category); logs a warning for every category measured >10% above prediction."""
-    if pred is None:
+    if not preds:
         return {}, {"predicted": None}
-    want = pred.bytes()
     keys, ratios, warnings = {}, [], []
     for r, figures in enumerate(per_rank):
+        pred = preds[r]
+        want = pred.bytes()
         rank_ratio = {}
+        figures = dict(figures)
+        if all(f"mem/{c}_bytes" in figures for c in CATEGORIES):  # derive the sums from the categories
+            figures["mem/model_states_bytes"] = sum(figures[f"mem/{c}_bytes"] for c in MODEL_STATES)
+            figures["mem/total_bytes"] = sum(figures[f"mem/{c}_bytes"] for c in CATEGORIES)
         for cat, predicted in want.items():
             keys[f"rank{r}/mem_pred/{cat}_bytes"] = predicted
             measured = figures.get(f"mem/{cat}_bytes")
@@ -595,7 +660,8 @@ def check_against(pred: Prediction | None, per_rank: list[dict], warn: bool = Tr
                 if warn:
                     log.warning("memory ledger: %s (%s)", msg, pred.strategy)
         ratios.append(rank_ratio)
-    return keys, {"predicted": pred.to_dict(), "measured_over_predicted": ratios, "warnings": warnings}
+    return keys, {"predicted": preds[0].to_dict(), "predicted_bytes_per_rank": [p.bytes() for p in preds],
+                  "measured_over_predicted": ratios, "warnings": warnings}
 
 
 PROCESS_KEYS = ("rss_bytes", "rss_peak_bytes", "cuda_allocated_bytes", "cuda_max_allocated_bytes",
