@@ -528,7 +528,7 @@ def sweep(shape: ModelShape, worlds: list[int], precision: str, optim: str, buck
 
 def format_sweep(shape: ModelShape, worlds: list[int], table: dict[str, list[int]], precision: str, optim: str) -> str:
     lines = [f"{shape.name}: {_fmt_n(shape.n_params)} parameters | precision {precision} | optimizer {optim} | "
-             "GB per rank (model states + buffers)", ""]
+             "GB on rank 0 (model states + buffers)", ""]
     lines.append(f"{'strategy':<12}" + "".join(f"{'N=' + str(w):>10}" for w in worlds))
     for label, values in table.items():
         lines.append(f"{label:<12}" + "".join(f"{v / GB:>10.2f}" for v in values))
