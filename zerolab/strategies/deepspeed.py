@@ -104,7 +104,8 @@ class _CountingBackend:
            "reduce_scatter_tensor": ("reduce_scatter", "input_tensor", 1),
            "broadcast": ("broadcast", "tensor", 0),
            "all_gather_into_tensor": ("all_gather", "output_tensor", 0),
-           "all_gather_base": ("all_gather", "output_tensor", 0)}
+           "all_gather_base": ("all_gather", "output_tensor", 0),
+           "all_gather": ("all_gather", "tensor_list", 0), "reduce_scatter": ("reduce_scatter", "input_list", 1)}
 
     @classmethod
     def install(cls, counter) -> None:
@@ -122,7 +123,10 @@ class _CountingBackend:
 
             def wrapped(*args, _orig=original, _op=op, _arg=arg, _pos=pos, **kwargs):
                 full = kwargs.get(_arg, args[_pos] if len(args) > _pos else None)
-                if isinstance(full, torch.Tensor):
+                if isinstance(full, (list, tuple)) and full and isinstance(full[0], torch.Tensor):
+                    full = sum(t.numel() * t.element_size() for t in full)  # list collectives
+                    backend._zerolab_counter[0].record(_op, full, 1)
+                elif isinstance(full, torch.Tensor):
                     # dist.reduce to one owner costs like a reduce-scatter in the ring model
                     backend._zerolab_counter[0].record(_op, full)
                 return _orig(*args, **kwargs)

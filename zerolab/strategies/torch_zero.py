@@ -22,24 +22,24 @@ from zerolab.strategies.base import OptimizerFactory, StepInfo
 from zerolab.strategies.ddp import DDPStrategy
 
 
-def optimizer_class_and_kwargs(make_optimizer: OptimizerFactory) -> tuple[type, dict]:
-    """The class and constructor defaults of the optimizer zerolab's factory builds, found by
-    building it once on a throwaway tensor. ZeroRedundancyOptimizer needs a class, not an object."""
-    probe = make_optimizer([{"params": [torch.zeros(1, requires_grad=True)], "names": ["probe"]}])
-    cls = type(probe)
+def as_class_and_groups(optimizer: torch.optim.Optimizer) -> tuple[type, dict, list[dict]]:
+    """ZeroRedundancyOptimizer needs a class, its constructor keywords and param groups rather
+    than an optimizer object: take them from the object zerolab's factory built (state is created
+    lazily, so building it cost nothing). Its groups carry every per-group setting the factory
+    chose (weight decay, LAMB's trust_ratio exclusions, ...)."""
+    cls = type(optimizer)
     accepted = inspect.signature(cls.__init__).parameters
-    kwargs = {k: v for k, v in probe.defaults.items() if k in accepted and k != "params"}
-    return cls, kwargs
+    kwargs = {k: v for k, v in optimizer.defaults.items() if k in accepted and k != "params"}
+    groups = [{k: v for k, v in g.items() if k != "names"} for g in optimizer.param_groups]
+    return cls, kwargs, groups
 
 
 class TorchZeroStrategy(DDPStrategy):
     name = "torch_zero"
 
     def setup(self, model: nn.Module, param_groups: list[dict], make_optimizer: OptimizerFactory) -> nn.Module:
-        cls, kwargs = optimizer_class_and_kwargs(make_optimizer)
-
         def make_zero(groups: list[dict]) -> torch.optim.Optimizer:
-            groups = [{k: v for k, v in g.items() if k != "names"} for g in groups]
+            cls, kwargs, groups = as_class_and_groups(make_optimizer(groups))
             return ZeroRedundancyOptimizer(groups, optimizer_class=cls, **kwargs)
 
         module = super().setup(model, param_groups, make_zero)
