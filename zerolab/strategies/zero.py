@@ -96,6 +96,15 @@ class ZeroStrategy(Strategy):
         self.sync = True
         for p in self.bucket_of_params():
             p.register_post_accumulate_grad_hook(self._grad_ready)
+        # All-gathers issued after a step finish in the background; a module waits for the
+        # buckets of its own parameters just before its forward, so the next forward overlaps them.
+        # (This assumes a parameter is used by the module that owns it, as in torch.nn layers.)
+        self.gathers: dict[int, tuple] = {}  # bucket index -> (work, input chunk)
+        self.bucket_index = {id(b): i for i, b in enumerate(self.buckets)}
+        for module in model.modules():
+            own = {self.bucket_index[id(self.bucket_of[id(p)])] for p in module.parameters(recurse=False)}
+            if own:
+                module.register_forward_pre_hook(lambda _m, _inp, own=sorted(own): self._wait_gathers(own))
         return model
 
     def bucket_of_params(self):
@@ -185,7 +194,8 @@ class ZeroStrategy(Strategy):
             if b.comm_buf is None:
                 b.comm_buf = torch.zeros(b.size, dtype=self.reduce_dtype, device=p.device)
             off = self.offset_of[id(p)]
-            b.comm_buf[off:off + p.numel()].copy_(p.grad.view(-1))
+            # copy and average in one pass (DDP also divides before summing)
+            torch.div(p.grad.view(-1), self.world, out=b.comm_buf[off:off + p.numel()])
             p.grad = None  # the full-size gradient is freed right away
         b.arrived += 1
         self._launch_ready()
@@ -202,11 +212,11 @@ class ZeroStrategy(Strategy):
     def _reduce_scatter(self, b: Bucket) -> None:
         if self.stage == 1:
             buf = b.flat_grads if self.reduce_dtype == b.flat_grads.dtype else b.flat_grads.to(self.reduce_dtype)
+            buf.div_(self.world)  # average before summing, as DDP does: same rounding in 16 bits
         else:
             if b.comm_buf is None:  # no parameter of this bucket got a gradient
                 b.comm_buf = torch.zeros(b.size, dtype=self.reduce_dtype, device=self.ctx.device)
-            buf = b.comm_buf
-        buf.div_(self.world)  # average before summing, as DDP does: same rounding in 16 bits
+            buf = b.comm_buf  # already averaged by _grad_ready
         out = torch.empty(b.chunk, dtype=buf.dtype, device=buf.device)
         self.comm.record("reduce_scatter", buf)
         work = dist.reduce_scatter_single(out, buf, async_op=True)
@@ -237,7 +247,7 @@ class ZeroStrategy(Strategy):
         self._drain()
         info = self.unscale_clip_update([g.master.grad for g in self.groups])
         if not info.skipped:
-            self._all_gather_params()
+            self._all_gather_params(wait=False)  # completes behind the next forward
         for g in self.groups:
             g.master.grad.zero_()
         if self.stage == 1:
@@ -246,14 +256,23 @@ class ZeroStrategy(Strategy):
         return info
 
     @torch.no_grad()
-    def _all_gather_params(self) -> None:
-        works = []
-        for b in self.buckets:
+    def _all_gather_params(self, wait: bool = True) -> None:
+        """Write every bucket's updated chunks, in compute dtype, into the model's parameters.
+        Issued in forward order (the reverse of the bucket list), so the first layers arrive first."""
+        self._wait_gathers()
+        for i in reversed(range(len(self.buckets))):
+            b = self.buckets[i]
             chunk = self.groups[b.group].master[b.shard_pos:b.shard_pos + b.chunk].to(b.flat_params.dtype)
             self.comm.record("all_gather", b.flat_params)
-            works.append((dist.all_gather_single(b.flat_params, chunk, async_op=True), chunk))
-        for work, _ in works:
-            work.wait()
+            self.gathers[i] = (dist.all_gather_single(b.flat_params, chunk, async_op=True), chunk)
+        if wait:
+            self._wait_gathers()
+
+    def _wait_gathers(self, indices=None) -> None:
+        for i in (list(self.gathers) if indices is None else indices):
+            entry = self.gathers.pop(i, None)
+            if entry is not None:
+                entry[0].wait()
 
     # ---- introspection ------------------------------------------------------------------------
     def describe_nonfinite(self) -> str:
@@ -264,6 +283,7 @@ class ZeroStrategy(Strategy):
         return "the non-finite values are on another rank, or only their norm overflowed"
 
     def memory(self) -> dict[str, int]:
+        self._wait_gathers()
         c = StorageCounter()
         c.add("params", (b.flat_params for b in self.buckets))
         c.add("grads", (b.flat_grads for b in self.buckets)).add("grads", (g.master.grad for g in self.groups))
@@ -283,6 +303,7 @@ class ZeroStrategy(Strategy):
 
     @torch.no_grad()
     def consolidated_state_dict(self) -> Optional[dict[str, torch.Tensor]]:
+        self._wait_gathers()
         full = self._full_master()
         if not self.ctx.is_main:
             return None
@@ -299,6 +320,7 @@ class ZeroStrategy(Strategy):
                 yield g, s, tensors
 
     def checkpoint_state(self) -> dict[str, ShardPiece]:
+        self._wait_gathers()
         out = {}
         for g, s, tensors in self._pieces():
             name = g.names[s.tensor]

@@ -1,0 +1,109 @@
+"""ddp vs zerolab's zero1 and zero2, side by side in one run (run under torchrun).
+
+    torchrun --standalone --nproc_per_node=2 bench/zero.py [--steps 20] [key=value ...]
+
+The strategies are interleaved step by step (ddp, zero1, zero2, ddp, ...) so all of them see
+the same machine conditions; the first --warmup steps of each are not timed. Prints, per
+strategy: p50/p95 step time and the ratio of medians to ddp, measured memory per rank by
+category (after a step, optimizer state allocated), and comm bytes per rank per step next to
+the 2Ψ(N−1)/N theory.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from zerolab import dist as zdist  # noqa: E402
+from zerolab.comm import theory_bytes_per_step  # noqa: E402
+from zerolab.config import compose  # noqa: E402
+from zerolab.trainer import Trainer, percentile  # noqa: E402
+
+DEFAULTS = ["model=gpt_small", "data=synthetic", "data.micro_batch=8", "precision=fp32",
+            "logging.wandb.mode=disabled", "logging.progress=false", "run.save_model=false"]
+
+
+def interleaved(trainers: dict, steps: int, warmup: int, ctx) -> dict[str, list[float]]:
+    times = {name: [] for name in trainers}
+    for step in range(steps):
+        for name, tr in trainers.items():
+            ctx.synchronize()
+            torch.distributed.barrier()
+            t0 = time.perf_counter()
+            tr.train_step(step)
+            ctx.synchronize()
+            dt = time.perf_counter() - t0
+            if step >= warmup:
+                times[name].append(dt)
+    return times
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--strategies", default="ddp,zero1,zero2")
+    p.add_argument("overrides", nargs="*")
+    args = p.parse_args()
+    os.environ.setdefault("WANDB_MODE", "disabled")
+    base = compose(DEFAULTS + args.overrides)
+    ctx = zdist.init(base.dist)
+    tmp = tempfile.mkdtemp(prefix="zerolab-bench-") if ctx.is_main else None
+    tmp = ctx.broadcast_object(tmp)
+    trainers = {}
+    for name in args.strategies.split(","):
+        cfg = compose(DEFAULTS + args.overrides + [f"strategy={name}", f"trainer.max_steps={args.steps}",
+                                                    f"run.dir={tmp}/{name}"])
+        trainers[name] = Trainer(cfg, ctx)
+    times = interleaved(trainers, args.steps, args.warmup, ctx)
+    for tr in trainers.values():
+        tr.strategy.comm.pop_step()
+    # one more step each, to read one step's comm bytes and the memory right after it
+    comm, mem = {}, {}
+    for name, tr in trainers.items():
+        tr.train_step(args.steps)
+        comm[name] = tr.strategy.comm.pop_step()
+        mem[name] = ctx.gather_objects(tr.strategy.memory())
+    if ctx.is_main:
+        report(base, ctx, trainers, times, comm, mem, args)
+    zdist.shutdown(ctx)
+
+
+def report(base, ctx, trainers, times, comm, mem, args) -> None:
+    any_tr = next(iter(trainers.values()))
+    n, psi = ctx.world_size, any_tr.n_params
+    print(f"# conditions: torch {torch.__version__}, {platform.processor() or platform.machine()}, "
+          f"{os.cpu_count()} cores, OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}, backend {ctx.backend}, "
+          f"world {n}, model {base.model.name} ({psi / 1e6:.2f}M params), micro batch {base.data.micro_batch} x "
+          f"{base.model.block_size} tokens, accum {base.trainer.grad_accum_steps}, precision {base.precision.name}, "
+          f"bucket {base.strategy.bucket_mb} MB, {args.steps - args.warmup} timed steps each, interleaved")
+    ddp_p50 = statistics.median(times["ddp"]) if "ddp" in times else None
+    print("\n| strategy | p50 s/step | p95 s/step | p50 ÷ ddp | comm MB/step/rank | ÷ theory |")
+    print("|---|---:|---:|---:|---:|---:|")
+    elem = 2 if base.precision.name in ("bf16", "fp16") else 4
+    theory = theory_bytes_per_step(psi, elem, n)
+    for name, ts in times.items():
+        p50, p95 = statistics.median(ts), percentile(ts, 95)
+        ratio = f"{p50 / ddp_p50:.3f}" if ddp_p50 else "-"
+        c = comm[name].get("total", 0.0)
+        print(f"| {name} | {p50:.4f} | {p95:.4f} | {ratio} | {c / 1e6:.2f} | "
+              f"{c / theory:.3f} |" if theory else f"| {name} | {p50:.4f} | {p95:.4f} | {ratio} | 0 | - |")
+    cats = ("params", "grads", "master", "optim_state", "buffers", "model_states")
+    print("\nmemory per rank after a step, MB (" + ", ".join(cats) + ")")
+    print("| strategy | rank | " + " | ".join(cats) + " |")
+    print("|---|---:|" + "---:|" * len(cats))
+    for name, per_rank in mem.items():
+        for r, m in enumerate(per_rank):
+            print(f"| {name} | {r} | " + " | ".join(f"{m[c] / 1e6:.1f}" for c in cats) + " |")
+
+
+if __name__ == "__main__":
+    main()
