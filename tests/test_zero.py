@@ -10,8 +10,7 @@ Tolerances:
         first); fp32 rounding (6e-8) amplified by Adam over 20 steps stays well below 1e-6 for
         every tensor as a whole. Elementwise, the few elements with a near-zero gradient can
         differ by up to ~1e-5 of the tensor's largest weight after 20 steps, because Adam scales
-        any gradient, even rounding noise, to an lr-sized step; zero1 without accumulation also
-        meets 1e-6 elementwise, which is checked too.
+        any gradient, even rounding noise, to an lr-sized step; elementwise is checked at 3e-5.
   bf16  A 1-ulp difference in an fp32 master can round the bf16 weight the other way (bf16 ulp
         is 2^-8 ≈ 0.4%), and the next forward then differs by that much, so bf16 runs of any
         two strategies diverge at bf16's noise level, not fp32's. The stated check: ZeRO's fp32
@@ -71,8 +70,7 @@ def test_fp32_parameters_equal_ddp(world):
                 ddp_cmp = ddp
             diff = rel_l2_diff(zero, ddp_cmp)
             assert diff < 1e-6, f"{strategy} vs ddp, {n} ranks, {case}: {diff:.3g}"
-            if strategy == "zero1" and case.split(":")[1] == "1":
-                assert max_rel_diff(zero, ddp_cmp) < 1e-6
+            assert max_rel_diff(zero, ddp_cmp) < 3e-5  # elementwise: see the module docstring
 
 
 def test_unused_parameter_completes_and_only_decays(world):
