@@ -50,6 +50,7 @@ node_ready() {
     s=$(SLURM_CONF=$CONF sinfo -h -n "$NODE" -o %t 2>/dev/null | head -n1)
     [[ $s == idle || $s == mix || $s == alloc ]]
 }
+no_jobs() { [[ -z $(SLURM_CONF=$CONF squeue -h -o %i 2>/dev/null) ]]; }
 munge_ok() { munge -n -S "$SOCKET" | unmunge -S "$SOCKET"; }
 
 healthy() {
@@ -103,7 +104,8 @@ EOF
 
 start() {  # start <name> <command...>: run a daemon in the foreground of its own session
     local name=$1; shift
-    setsid "$@" </dev/null >>"$STATE/log/$name.out" 2>&1 &
+    # SLURM_CONF in the environment also marks this cluster's slurmstepd processes (see down).
+    SLURM_CONF=$CONF setsid "$@" </dev/null >>"$STATE/log/$name.out" 2>&1 &
     echo "$name $!" >>"$PIDS"
 }
 
@@ -148,9 +150,10 @@ up() {
 
 down() {
     [[ -f $PIDS ]] || { [[ ${1:-} == quiet ]] || echo "local slurm: not running (no $PIDS)"; return 0; }
-    # Cancel this cluster's jobs first so their steps end with the daemons.
+    # Cancel this cluster's jobs first and let them end while slurmd can still clean up.
     if alive "$(pid_of slurmctld)"; then
         SLURM_CONF=$CONF scancel --full --partition=debug 2>/dev/null || true
+        TRIES=100 wait_for "jobs to end" no_jobs 2>/dev/null || true
     fi
     local name pid
     for name in slurmd slurmctld munged; do   # reverse start order
@@ -159,9 +162,11 @@ down() {
         kill -TERM "$pid" 2>/dev/null || true
         TRIES=100 wait_for "$name to exit" bash -c "! kill -0 $pid" 2>/dev/null || kill -KILL "$pid" 2>/dev/null || true
     done
-    # Job steps outlive slurmd by design; stop any slurmstepd that belonged to this spool dir.
+    # Job steps outlive slurmd by design; stop any slurmstepd this cluster's slurmd started.
     for pid in $(pgrep -x slurmstepd 2>/dev/null || true); do
-        if tr '\0' ' ' <"/proc/$pid/cmdline" 2>/dev/null | grep -q "$STATE"; then kill -KILL "$pid" 2>/dev/null || true; fi
+        if tr '\0' '\n' <"/proc/$pid/environ" 2>/dev/null | grep -qx "SLURM_CONF=$CONF"; then
+            kill -KILL "$pid" 2>/dev/null || true
+        fi
     done
     if [[ -f $STATE/.zerolab-local-slurm ]]; then rm -rf "$STATE"; else rm -f "$PIDS"; fi
     [[ ${1:-} == quiet ]] || echo "local slurm: down"
