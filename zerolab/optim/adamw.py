@@ -3,7 +3,7 @@
 Per tensor, with gradient g, step t, lr η, decay λ:
   m ← β1·m + (1−β1)·g          v ← β2·v + (1−β2)·g²
   m̂ = m/(1−β1ᵗ)               v̂ = v/(1−β2ᵗ)            (bias correction, optional)
-  AdamW:  Δw = −η·λ·w − η·m̂/(√v̂ + ε)   (decay decoupled from the gradient statistics)
+  AdamW:  w ← w·(1 − ηλ), then w ← w − η·m̂/(√v̂ + ε)   (decay decoupled from the statistics)
   Adam:   g ← g + λ·w before the moments (classic L2: decay is rescaled by 1/√v̂ like the gradient)
 ε is added after the bias-corrected square root, as torch does.
 """
@@ -44,17 +44,16 @@ class AdamW(ZerolabOptimizer):
             torch._foreach_lerp_(ms, gs, 1 - b1)
             torch._foreach_mul_(vs, b2)
             torch._foreach_addcmul_(vs, gs, gs, value=1 - b2)
-            # u = √v̂ + ε, then u ← m̂/u · (−η): built in one temporary per tensor.
+            # u = √v̂ + ε, then u ← m/u · (−η/(1−β1ᵗ)): one temporary per tensor.
             u = torch._foreach_sqrt(vs)
             torch._foreach_div_(u, math.sqrt(bc2))
             torch._foreach_add_(u, eps)
-            torch._foreach_reciprocal_(u)
-            torch._foreach_mul_(u, ms)
+            for m, d in zip(ms, u):  # u ← m/u in place: no second temporary, one rounding
+                torch.div(m, d, out=d)
             torch._foreach_mul_(u, -lr / bc1)
-            if wd and self.decoupled:
-                torch._foreach_add_(u, ps, alpha=-lr * wd)
             updates.extend(u)
-        self._apply(group, params, updates, names)
+        # AdamW's decay w ← w·(1 − ηλ) is applied by _apply before the step, as torch orders it.
+        self._apply(group, params, updates, names, decay=lr * wd if self.decoupled else 0.0)
 
 
 class Adam(AdamW):

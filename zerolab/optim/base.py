@@ -92,38 +92,59 @@ class ZerolabOptimizer(torch.optim.Optimizer):
         return int(steps[0].item()) if steps else 0
 
     def _apply(self, group: dict, params: list[torch.Tensor], updates: list[torch.Tensor],
-               names: list[str]) -> None:
-        """p += Δw for every tensor, recording ‖Δw‖² and ‖w‖² first when asked."""
+               names: list[str], decay: float = 0.0) -> None:
+        """p ← p·(1 − decay) + s for every tensor, so Δw = s − decay·p. The decay is applied first
+        and separately (as torch's AdamW does), which keeps the rounding identical to torch's.
+        When asked, records ‖Δw‖² and ‖w‖² (w before the update) first."""
         if self.track_updates and params[0].dtype != torch.float32 and not is_flat_group(group):
             # 16-bit weights updated in place (precision=bf16_pure): rounding can swallow the
             # update, so record the change that actually happened, one tensor at a time.
             upd_sq, w_sq = [], []
             for p, u in zip(params, updates):
                 before = p.detach().float()
-                p.add_(u)
+                p.mul_(1 - decay).add_(u)
                 upd_sq.append((p.detach().float() - before).pow(2).sum())
                 w_sq.append(before.pow(2).sum())
             self._update_stats.append({"names": names, "partial": False, "update_sq": torch.stack(upd_sq),
                                        "weight_sq": torch.stack(w_sq)})
             return
         if self.track_updates:
-            self._record(group, params, updates, names)
-        if self._foreach(params):
+            self._record(group, params, updates, names, decay)
+        foreach = self._foreach(params)
+        if decay:
+            if foreach:
+                torch._foreach_mul_(params, 1 - decay)
+            else:
+                for p in params:
+                    p.mul_(1 - decay)
+        if foreach:
             torch._foreach_add_(params, updates)
         else:
             for p, u in zip(params, updates):
                 p.add_(u)
 
     def _record(self, group: dict, params: list[torch.Tensor], updates: list[torch.Tensor],
-                names: list[str]) -> None:
+                names: list[str], decay: float = 0.0) -> None:
+        """Per tensor ‖s − decay·w‖² = ‖s‖² − 2·decay·⟨s, w⟩ + decay²·‖w‖², and ‖w‖², without
+        materialising Δw (flat groups: this rank's partial sums over its segments)."""
         if is_flat_group(group):
             segs, n = group["segments"], group["n_tensors"]
-            self._update_stats.append({"names": list(group["names"]), "partial": True,
-                                       "update_sq": per_tensor_sum_sq(updates[0], segs, n),
-                                       "weight_sq": per_tensor_sum_sq(params[0], segs, n)})
+            u, w = updates[0], params[0]
+            s_sq, w_sq = per_tensor_sum_sq(u, segs, n), per_tensor_sum_sq(w, segs, n)
+            dot = torch.zeros(n, dtype=torch.float32, device=w.device)
+            if decay:
+                for seg in segs:
+                    dot[seg.tensor] += torch.dot(u[seg.start:seg.end].float(), w[seg.start:seg.end].float())
+            names = list(group["names"])
         elif params:
-            self._update_stats.append({"names": names, "partial": False,
-                                       "update_sq": _sum_sq(updates), "weight_sq": _sum_sq(params)})
+            s_sq, w_sq = _sum_sq(updates), _sum_sq(params)
+            dot = torch.stack([torch.dot(u.flatten().float(), w.flatten().float()) for u, w in zip(updates, params)]) \
+                if decay else torch.zeros_like(s_sq)
+        else:
+            return
+        upd_sq = (s_sq - 2 * decay * dot + decay * decay * w_sq).clamp_min(0)
+        self._update_stats.append({"names": names, "partial": is_flat_group(group), "update_sq": upd_sq,
+                                   "weight_sq": w_sq})
 
     def _record_trust(self, ratios: torch.Tensor) -> None:
         """Keep this step's trust ratios (no device sync here; step_stats() reads them)."""
