@@ -40,7 +40,9 @@ class MetricsSink:
         import wandb
 
         return wandb.init(project=cfg.wandb.project, entity=cfg.wandb.entity or None, dir=run_dir,
-                          group=experiment, job_type=job_type, config=config, mode=mode,
+                          # a sweep's jobs share one group (set by hydra_plugins/zerolab_torchrun)
+                          group=os.environ.get("ZEROLAB_WANDB_GROUP") or experiment,
+                          job_type=job_type, config=config, mode=mode,
                           name=os.path.basename(run_dir), reinit="finish_previous")
 
     def log(self, record: dict) -> None:
