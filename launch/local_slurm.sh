@@ -118,6 +118,8 @@ up() {
     if healthy; then echo "local slurm: already up ($CONF)"; return 0; fi
     [[ -f $PIDS ]] && down quiet   # a half-started cluster from an earlier run: start over
 
+    # The munge user must be able to reach its socket dir inside: 0755 whatever the umask.
+    [[ -d $STATE ]] || install -d -m 0755 "$STATE"
     mkdir -p "$STATE"/{ctld,spool,log}
     touch "$STATE/.zerolab-local-slurm"   # marks the dir as ours, so `down` may delete it
     : >"$PIDS"

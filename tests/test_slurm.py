@@ -76,9 +76,19 @@ def cluster():
     else:
         job_env["ZEROLAB_PYTHON"] = sys.executable
     yield {"env": env, "job_env": job_env, "state": state}
+    started = [int(line.split()[1]) for line in (state / "pids").read_text().splitlines()]
     down = subprocess.run([str(LOCAL_SLURM), "down"], env=env, capture_output=True, text=True, timeout=120)
     assert down.returncode == 0, down.stderr
     assert not state.exists(), "local_slurm.sh down left its state dir behind"
+    still = [pid for pid in started if running(pid)]
+    assert not still, f"daemons still running after down: {still}"
+
+
+def running(pid: int) -> bool:
+    try:
+        return "zombie" not in Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
 
 
 def sbatch_wait(cluster, tmp: Path, *args: str, launch: str = "torchrun", sbatch_opts=(), timeout=300):
