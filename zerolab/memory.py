@@ -1,4 +1,7 @@
-"""The memory ledger: bytes per rank by category, measured from the tensors that exist.
+"""The memory ledger: bytes per rank by category, measured from the tensors that exist, and
+predicted from the model's shapes for any strategy, precision, optimizer and world size
+(`predict`, `python -m zerolab memory`). The trainer holds one against the other at the first
+optimizer step (`ledger_for_run`, `check_against`).
 
 Categories (the ZeRO paper's "model states" are the first four):
   params       compute-dtype weights held by the model
@@ -10,9 +13,15 @@ Storage is counted once even when several tensors view it.
 """
 from __future__ import annotations
 
+import logging
+import math
+import os
+from dataclasses import dataclass, field
 from typing import Iterable
 
 import torch
+
+log = logging.getLogger(__name__)
 
 CATEGORIES = ("params", "grads", "master", "optim_state", "buffers")
 MODEL_STATES = ("params", "grads", "master", "optim_state")
@@ -77,12 +86,6 @@ def process_memory(device: torch.device) -> dict[str, int]:
 # Every term carries a sentence saying where it comes from, so the CLI can print the ledger and
 # a run can hold each category against what its strategy measures.
 # =============================================================================================
-import logging
-import math
-import os
-from dataclasses import dataclass, field
-
-log = logging.getLogger(__name__)
 
 COMPUTE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "bf16_pure": 2}
 MIXED = ("bf16", "fp16")  # precisions with an fp32 master copy
@@ -164,8 +167,6 @@ def optimizer_state_elements(optim: str) -> float:
     """Optimizer-state elements per parameter, measured on a tiny instance: by
     zerolab.optim.state_elements_per_param where it exists, else here with build_optimizer
     (one step on a small tensor, counting state tensors as the ledger's measured side does)."""
-    import torch
-
     with torch.random.fork_rng(devices=[]):  # never disturb the caller's random stream
         try:
             from zerolab.optim import state_elements_per_param
@@ -178,8 +179,6 @@ def optimizer_state_elements(optim: str) -> float:
 
 
 def _measure_state_elements(optim: str) -> float:
-    import torch
-
     from zerolab.config import OptimConfig
     from zerolab.optim import build_optimizer
 

@@ -177,7 +177,7 @@ class Trainer:
                     record["skipped_steps"] = self.precision.scaler.skipped_steps
                 for r, figures in enumerate(per_rank):
                     record.update({f"rank{r}/{k}": v for k, v in figures.items()})
-                if step == self.start_step:  # optimizer state exists now: hold the ledger against it
+                if not self.mem_check and not info.skipped:  # first real update: optimizer state exists
                     pred_keys, self.mem_check = check_against(self.mem_pred, per_rank, warn=ctx.is_main)
                     record.update(pred_keys)
                 if (t.eval_every and (step + 1) % t.eval_every == 0) or last:
