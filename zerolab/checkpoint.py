@@ -188,6 +188,7 @@ class PieceReader:
 
     def __init__(self, path: str, meta: dict):
         self.path, self.index = path, meta["pieces"]
+        self.weights_only = meta.get("optimizer_state") is False  # imported: no optimizer state saved
         self._files: dict = {}
         self._kinds: dict[str, list[str]] = {}
         for key in self.index:
@@ -212,6 +213,8 @@ class PieceReader:
 
     def __call__(self, key: str, start: int, end: int) -> torch.Tensor:
         pieces = self.index.get(key)
+        if pieces is None and self.weights_only and not key.startswith("master/"):
+            return torch.zeros(end - start)  # a fresh optimizer's state (its step counter is reset to 0)
         if pieces is None:
             raise CheckpointError(f"{self.path}: the checkpoint has no {key!r} (saved keys look like "
                                   f"{next(iter(self.index), '?')!r})")
@@ -257,7 +260,8 @@ def verify(path: str, checksums: bool = True) -> dict:
     for fname, info in meta["files"].items():
         full = os.path.join(path, fname)
         if not os.path.exists(full):
-            raise CheckpointError(f"{full} is missing (shard of rank {info['rank']} of {meta['world_size']})")
+            owner = f"shard of rank {info['rank']} of {meta['world_size']}" if info.get("rank") is not None else "DeepSpeed file"
+            raise CheckpointError(f"{full} is missing ({owner})")
         size = os.path.getsize(full)
         if size != info["bytes"]:
             raise CheckpointError(f"{full} has {size} bytes, the checkpoint recorded {info['bytes']}: truncated or corrupt")
@@ -308,10 +312,19 @@ def _check_compatible(meta: dict, path: str, cfg, strategy, layout: dict) -> Non
     from zerolab.strategies.base import Strategy
 
     where = os.path.join(path, META)
-    if meta["strategy"] not in RESHARDABLE:
+    if meta["strategy"] == "deepspeed":
+        ds, stage = meta["deepspeed"], cfg.strategy.stage
+        if cfg.strategy.name != "deepspeed" or ds["stage"] != stage or meta["world_size"] != ctx_world(strategy):
+            raise CheckpointError(
+                f"{where}: a DeepSpeed stage-{ds['stage']} checkpoint of {meta['world_size']} ranks loads only into "
+                f"strategy=deepspeed strategy.stage={ds['stage']} with {meta['world_size']} ranks (this run: "
+                f"strategy={cfg.strategy.name} stage {stage}, {ctx_world(strategy)} ranks). To continue elsewhere, "
+                f"convert its weights: python -m zerolab export {path} --as-checkpoint --out DIR "
+                f"(the optimizer state does not carry over)")
+    elif meta["strategy"] not in RESHARDABLE:
         raise CheckpointError(f"{where}: written by strategy {meta['strategy']!r}; zerolab's format loads across "
                               f"{', '.join(RESHARDABLE)} only")
-    if type(strategy).load_checkpoint_state is Strategy.load_checkpoint_state:
+    if meta["strategy"] != "deepspeed" and type(strategy).load_checkpoint_state is Strategy.load_checkpoint_state:
         raise CheckpointError(f"strategy={cfg.strategy.name} cannot load zerolab checkpoints; resume {path} with "
                               f"one of {', '.join(RESHARDABLE)}")
     if meta["optimizer"] != cfg.optim.name:
@@ -325,6 +338,8 @@ def _check_compatible(meta: dict, path: str, cfg, strategy, layout: dict) -> Non
     if problems:
         raise CheckpointError(f"{where}: the checkpoint is for another model (model={meta['config']['model']['name']}): "
                               + "; ".join(problems[:6]) + (f"; ... {len(problems) - 6} more" if len(problems) > 6 else ""))
+    if meta["strategy"] == "deepspeed":
+        return
     for key, pieces in meta["pieces"].items():
         name = key.split("/", 1)[1]
         at = 0
@@ -337,6 +352,17 @@ def _check_compatible(meta: dict, path: str, cfg, strategy, layout: dict) -> Non
     missing = [n for n in mine if f"master/{n}" not in meta["pieces"]]
     if missing:
         raise CheckpointError(f"{where}: no master weights for {', '.join(missing[:5])}")
+
+
+def ctx_world(strategy) -> int:
+    return strategy.ctx.world_size
+
+
+DS_TAG = "deepspeed"  # the tag (sub-directory) DeepSpeed's own files go into
+
+
+def _is_deepspeed(strategy) -> bool:
+    return strategy.name == "deepspeed" and getattr(strategy, "engine", None) is not None
 
 
 # ---- save / resume during training -----------------------------------------------------------------
@@ -356,7 +382,10 @@ class Checkpointer:
             shutil.rmtree(tmp, ignore_errors=True)
             os.makedirs(tmp)
         ctx.barrier()
-        pieces = strategy.checkpoint_state()
+        native = _is_deepspeed(strategy)
+        if native:  # DeepSpeed writes its partitioned state itself (torch.save files, see README)
+            strategy.engine.save_checkpoint(tmp, tag=DS_TAG, save_latest=False)
+        pieces = {} if native else strategy.checkpoint_state()
         entries, index = [], []
         for key, pc in sorted(pieces.items()):
             tname = f"{key}@{pc.start}:{pc.end}"
@@ -369,10 +398,12 @@ class Checkpointer:
         info = write_safetensors(os.path.join(tmp, fname), entries, {"format": FORMAT, "rank": ctx.rank, "step": step})
         del pieces, entries
         report = {"file": fname, "rank": ctx.rank, **info, "pieces": index,
-                  "scalars": optimizer_scalars(strategy.optimizer)}
+                  "scalars": {} if native else optimizer_scalars(strategy.optimizer)}
         reports = ctx.gather_objects(report)
         if ctx.is_main:
             meta = self._meta(step, strategy, schedule, sampler, reports)
+            if native:
+                meta["deepspeed"] = self._deepspeed_files(tmp, meta["files"])
             _write_text_atomic(os.path.join(tmp, META), json.dumps(meta, indent=1))
             _fsync_dir(tmp)
             if os.path.exists(final):  # the same step saved again (a resumed run): swap it out
@@ -417,6 +448,15 @@ class Checkpointer:
             "files": {r["file"]: {"rank": r["rank"], "bytes": r["bytes"], "sha256": r["sha256"]} for r in reports},
         }
 
+    def _deepspeed_files(self, tmp: str, files: dict) -> dict:
+        import deepspeed
+
+        for root, _, names in os.walk(os.path.join(tmp, DS_TAG)):
+            for n in sorted(names):
+                full = os.path.join(root, n)
+                files[os.path.relpath(full, tmp)] = {"rank": None, "bytes": os.path.getsize(full), "sha256": _sha256(full)}
+        return {"tag": DS_TAG, "stage": self.cfg.strategy.stage, "version": deepspeed.__version__}
+
     def _prune(self) -> None:
         keep = self.cfg.checkpoint.keep_last
         for path in (list_checkpoints(self.dir)[keep:] if keep > 0 else []):
@@ -456,22 +496,34 @@ class Checkpointer:
         self._note_differences(meta, schedule, sampler)
 
         reader = PieceReader(path, meta)
-        strategy.load_checkpoint_state(reader)
-        restore_optimizer_scalars(strategy.optimizer, meta["optimizer_scalars"])
+        if meta["strategy"] == "deepspeed":
+            # DeepSpeed restores its weights, optimizer state and loss scaler; its files were
+            # checksummed above, before torch.load inside DeepSpeed unpickles them.
+            loaded, _ = strategy.engine.load_checkpoint(path, tag=meta["deepspeed"]["tag"], load_optimizer_states=True,
+                                                        load_lr_scheduler_states=False)
+            if loaded is None:
+                raise CheckpointError(f"{path}: DeepSpeed found no checkpoint under tag {meta['deepspeed']['tag']!r}")
+        else:
+            strategy.load_checkpoint_state(reader)
+            restore_optimizer_scalars(strategy.optimizer, meta["optimizer_scalars"])
+            scaler = strategy.precision.scaler
+            if scaler.enabled and meta["precision"] == "fp16":
+                scaler.load_state_dict(meta["loss_scaler"])
         strategy.step_count = step
-        scaler = strategy.precision.scaler
-        if scaler.enabled and meta["precision"] == "fp16":
-            scaler.load_state_dict(meta["loss_scaler"])
-        if meta["world_size"] == ctx.world_size:
-            rng = reader.rng(ctx.rank)
+        if reader.weights_only and ctx.is_main:
+            log.warning("checkpoint: %s holds weights only (imported from %s): the optimizer state starts fresh",
+                        path, meta.get("imported_from", {}).get("strategy", "?"))
+        rng = reader.rng(ctx.rank) if meta["world_size"] == ctx.world_size else {}
+        if "rng/cpu" in rng:
             torch.set_rng_state(rng["rng/cpu"])
             if "rng/cuda" in rng and ctx.device.type == "cuda":
                 torch.cuda.set_rng_state(rng["rng/cuda"], ctx.device)
         else:
             torch.manual_seed(cfg.trainer.seed + 1 + ctx.rank + 1_000_003 * step)
             if ctx.is_main:
-                log.warning("checkpoint: saved with %d ranks, resumed with %d: dropout RNG streams are re-seeded, "
-                            "so the run is not bitwise identical to one that never stopped", meta["world_size"], ctx.world_size)
+                log.warning("checkpoint: no RNG state for these ranks (saved with %d ranks, resumed with %d): dropout "
+                            "RNG streams are re-seeded, so the run is not bitwise identical to one that never stopped",
+                            meta["world_size"], ctx.world_size)
         if ctx.is_main:
             log.info("checkpoint: resumed at step %d from %s (%s, %d ranks -> %s, %d ranks)", step, path,
                      meta["strategy"], meta["world_size"], cfg.strategy.name, ctx.world_size)
@@ -494,37 +546,83 @@ class Checkpointer:
 
 
 # ---- export for inference -------------------------------------------------------------------------
+def _weights(path: str, meta: dict):
+    """(name, shape, produce) per parameter, in state-dict order, tied aliases once; produce()
+    assembles one fp32 tensor. DeepSpeed checkpoints go through DeepSpeed's own consolidation
+    (zero_to_fp32, lazy mode: one tensor at a time from memory-mapped partitions)."""
+    params = meta["params"]
+    names = [k for k in meta["state_dict_keys"] if k in params]
+    if meta["strategy"] == "deepspeed":
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        lazy = get_fp32_state_dict_from_zero_checkpoint(path, tag=meta["deepspeed"]["tag"], lazy_mode=True)
+        missing = [n for n in names if n not in lazy]
+        if missing:
+            raise CheckpointError(f"{path}: DeepSpeed's consolidation returned no {', '.join(missing[:5])}")
+        return [(n, params[n], lambda n=n: lazy[n].contiguous().float().reshape(params[n])) for n in names]
+    reader = PieceReader(path, meta)
+    return [(n, params[n], lambda n=n: reader(f"master/{n}", 0, math.prod(params[n])).view(params[n]))
+            for n in names]
+
+
 def export(ckpt: str, out: str, dtype: str = "fp32") -> dict:
     """Consolidated weights without optimizer state, one tensor in memory at a time."""
     if dtype not in EXPORT_DTYPES:
         raise CheckpointError(f"--dtype {dtype} is not one of {', '.join(EXPORT_DTYPES)}")
     path = resolve(ckpt)
     meta = verify(path)
-    reader, target = PieceReader(path, meta), EXPORT_DTYPES[dtype]
-    stats = {"peak_tensor_bytes": 0}
+    target, stats = EXPORT_DTYPES[dtype], {"peak_tensor_bytes": 0}
 
-    def produce(name: str, shape: list):
+    def cast(produce):
         def run():
-            t = reader(f"master/{name}", 0, math.prod(shape)).view(shape)
-            cast = t.to(target)
-            held = t.nbytes + (cast.nbytes if cast.data_ptr() != t.data_ptr() else 0)
+            t = produce()
+            c = t.to(target)
+            held = t.nbytes + (c.nbytes if c.data_ptr() != t.data_ptr() else 0)
             stats["peak_tensor_bytes"] = max(stats["peak_tensor_bytes"], held)
-            return cast
+            return c
         return run
 
-    params = meta["params"]
-    names = [k for k in meta["state_dict_keys"] if k in params]  # tied aliases are written once
-    entries = [(n, target, tuple(params[n]), produce(n, params[n])) for n in names]
+    entries = [(n, target, tuple(shape), cast(produce)) for n, shape, produce in _weights(path, meta)]
     tmp = f"{out}.tmp"
     os.makedirs(os.path.dirname(os.path.abspath(out)) or ".", exist_ok=True)
     info = write_safetensors(tmp, entries, {"format": "zerolab-export", "step": meta["step"], "dtype": dtype,
                                             "tied": json.dumps(meta["aliases"]), "model": meta["config"]["model"]["name"]})
     os.replace(tmp, out)
-    ckpt_bytes = sum(f["bytes"] for f in meta["files"].values())
-    largest = max(math.prod(s) for s in params.values()) * 4
+    largest = max(math.prod(s) for s in meta["params"].values()) * 4
     return {"checkpoint": path, "out": out, "step": meta["step"], "tensors": len(entries), "dtype": dtype,
-            "checkpoint_bytes": ckpt_bytes, "export_bytes": info["bytes"], "largest_fp32_tensor_bytes": largest,
-            **stats, "tied": meta["aliases"]}
+            "checkpoint_bytes": sum(f["bytes"] for f in meta["files"].values()), "export_bytes": info["bytes"],
+            "largest_fp32_tensor_bytes": largest, **stats, "tied": meta["aliases"]}
+
+
+def import_weights(ckpt: str, out_root: str) -> str:
+    """Any checkpoint (a DeepSpeed one included) -> a weights-only zerolab checkpoint in out_root,
+    which ddp/zero1/zero2 resume from with a fresh optimizer state. Returns its path."""
+    path = resolve(ckpt)
+    meta = verify(path)
+    name = f"step_{meta['step']:08d}"
+    tmp, final = os.path.join(out_root, f".tmp-{name}"), os.path.join(out_root, name)
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    weights = _weights(path, meta)
+    entries = [(f"master/{n}@0:{math.prod(shape)}", torch.float32, (math.prod(shape),),
+                lambda p=produce: p().reshape(-1)) for n, shape, produce in weights]
+    info = write_safetensors(os.path.join(tmp, "rank0.safetensors"), entries, {"format": FORMAT, "rank": 0})
+    new = {k: v for k, v in meta.items() if k != "deepspeed"}
+    new.update({
+        "strategy": "ddp", "world_size": 1, "optimizer_state": False,
+        "optimizer_scalars": {"step": {"value": 0.0, "tensor": True, "dtype": "float32"}},
+        "imported_from": {"path": path, "strategy": meta["strategy"], "world_size": meta["world_size"]},
+        "pieces": {f"master/{n}": [{"file": "rank0.safetensors", "tensor": e[0], "start": 0, "end": e[2][0],
+                                    "dtype": "float32"}] for (n, _, _), e in zip(weights, entries)},
+        "files": {"rank0.safetensors": {"rank": 0, **info}},
+    })
+    _write_text_atomic(os.path.join(tmp, META), json.dumps(new, indent=1))
+    if os.path.exists(final):
+        shutil.rmtree(final)
+    os.rename(tmp, final)
+    _fsync_dir(out_root)
+    _write_text_atomic(os.path.join(out_root, LATEST), name + "\n")
+    return final
 
 
 def export_main(argv: list[str]) -> int:
@@ -533,8 +631,14 @@ def export_main(argv: list[str]) -> int:
     p.add_argument("ckpt", help="a step_* checkpoint directory, or a checkpoints directory (newest good one)")
     p.add_argument("--out", required=True, help="output .safetensors path")
     p.add_argument("--dtype", default="fp32", choices=sorted(EXPORT_DTYPES))
+    p.add_argument("--as-checkpoint", action="store_true",
+                   help="write a weights-only zerolab checkpoint into the directory --out instead (e.g. to "
+                        "continue a DeepSpeed run under ddp/zero1/zero2; the optimizer state starts fresh)")
     args = p.parse_args(argv)
     try:
+        if args.as_checkpoint:
+            print(f"wrote weights-only zerolab checkpoint {import_weights(args.ckpt, args.out)}")
+            return 0
         r = export(args.ckpt, args.out, args.dtype)
     except CheckpointError as err:
         print(f"zerolab export: {err}", file=sys.stderr)

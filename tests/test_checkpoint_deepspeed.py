@@ -1,0 +1,61 @@
+"""DeepSpeed checkpoints in zerolab's checkpoint directory: saved and loaded through DeepSpeed's
+own API (bitwise exact resume, same world size and stage), exported and imported through
+DeepSpeed's consolidation tool (zero_to_fp32), and refused with a clear error elsewhere."""
+import json
+
+import pytest
+import torch
+
+from conftest import load_weights, read_metrics, run_python, run_train
+
+pytest.importorskip("deepspeed")
+
+K = 3
+COMMON = ["model=gpt_tiny", "data=text", "trainer.eval_every=0", "data.micro_batch=4", "optim.warmup_steps=2",
+          f"trainer.max_steps={2 * K}"]
+DS = ["strategy=deepspeed", "strategy.stage=2"]
+
+
+def test_deepspeed_resume_export_import(tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    run_train(a, 2, *COMMON, *DS, f"checkpoint.every={K}")
+    step_k = a / "checkpoints" / f"step_{K:08d}"
+    meta = json.loads((step_k / "meta.json").read_text())
+    assert meta["strategy"] == "deepspeed" and meta["deepspeed"]["stage"] == 2
+    assert any(f.startswith("deepspeed/") and f.endswith("optim_states.pt") for f in meta["files"])  # checksummed
+
+    # 1. Exact resume through engine.load_checkpoint.
+    proc = run_train(b, 2, *COMMON, *DS, f"checkpoint.resume={step_k}")
+    assert f"resumed at step {K}" in proc.stdout + proc.stderr
+    assert [r["loss"] for r in read_metrics(a)][K:] == [r["loss"] for r in read_metrics(b)]
+    wa, wb = load_weights(a), load_weights(b)
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+    # 2. Export through zero_to_fp32 equals the live model's weights.
+    out = tmp_path / "model.safetensors"
+    run_python("-m", "zerolab", "export", str(a / "checkpoints"), "--out", str(out))
+    from safetensors.torch import load_file
+    got = load_file(str(out))
+    assert set(got) == set(wa) - {"lm_head.weight"} and all(torch.equal(got[k], wa[k]) for k in got)
+
+    # 3. Elsewhere (another strategy): a clear error that points at the import path.
+    from zerolab.checkpoint import CheckpointError, _check_compatible, model_layout, verify
+    from zerolab.config import compose
+    from zerolab.models import build_model
+    from zerolab.strategies.ddp import DDPStrategy
+
+    cfg = compose(["model=gpt_tiny", "strategy=zero2"])
+    strategy = DDPStrategy.__new__(DDPStrategy)
+    strategy.ctx = type("Ctx", (), {"world_size": 3})()
+    with pytest.raises(CheckpointError, match=r"DeepSpeed stage-2 checkpoint of 2 ranks loads only into.*--as-checkpoint"):
+        _check_compatible(verify(str(step_k)), str(step_k), cfg, strategy, model_layout(build_model(cfg.model, "meta")))
+
+    # 4. Import its weights as a zerolab checkpoint; zero2 on 3 ranks continues from it.
+    imported = tmp_path / "imported"
+    run_python("-m", "zerolab", "export", str(a / "checkpoints"), "--as-checkpoint", "--out", str(imported))
+    c = tmp_path / "c"
+    proc = run_train(c, 3, *COMMON[:-1], f"trainer.max_steps={2 * K + 1}", "strategy=zero2",
+                     f"checkpoint.resume={imported}")
+    text = proc.stdout + proc.stderr
+    assert f"resumed at step {2 * K}" in text and "the optimizer state starts fresh" in text
+    assert [r["step"] for r in read_metrics(c)] == [2 * K + 1]
