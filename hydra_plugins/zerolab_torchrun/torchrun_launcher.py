@@ -10,6 +10,7 @@ one job at a time (they would compete for the same cores). Results:
   <hydra.sweep.dir>/            multirun.yaml (Hydra's), sweep.json (jobs, run dirs, exit codes)
   <hydra.sweep.dir>/<n>-<label>/   one zerolab run directory per job (config, metrics, weights)
   <hydra.sweep.dir>/<n>-<label>.log   the job's console output
+  <hydra.sweep.dir>/report/     with hydra.launcher.report=true: `python -m zerolab compare` of the sweep
 
 Selected by `hydra/launcher=torchrun` (conf/experiment/compare.yaml selects it for the sweep).
 (No `from __future__ import annotations`: Hydra loads plugin modules without registering them
@@ -43,6 +44,7 @@ class TorchrunLauncherConf:
     extra_args: List[str] = field(default_factory=list)  # more torchrun arguments
     timeout_s: float = 0  # per job; 0: none
     stop_on_failure: bool = False  # false: run the remaining jobs, report failures at the end
+    report: bool = False  # after the jobs: python -m zerolab compare <sweep dir> --out <sweep dir>/report
 
 
 ConfigStore.instance().store(group="hydra/launcher", name="torchrun", node=TorchrunLauncherConf, provider="zerolab")
@@ -62,9 +64,9 @@ def job_labels(job_overrides: Sequence[Sequence[str]]) -> list[str]:
 
 class TorchrunLauncher(Launcher):
     def __init__(self, nproc_per_node: int = 2, extra_args: Optional[list] = None, timeout_s: float = 0,
-                 stop_on_failure: bool = False) -> None:
+                 stop_on_failure: bool = False, report: bool = False) -> None:
         self.nproc_per_node, self.extra_args = nproc_per_node, list(extra_args or [])
-        self.timeout_s, self.stop_on_failure = timeout_s, stop_on_failure
+        self.timeout_s, self.stop_on_failure, self.report = timeout_s, stop_on_failure, report
         self.config: Optional[DictConfig] = None
 
     def setup(self, *, hydra_context: HydraContext, task_function: TaskFunction, config: DictConfig) -> None:
@@ -96,7 +98,8 @@ class TorchrunLauncher(Launcher):
                 print(f"[sweep {num + 1}/{initial_job_idx + len(job_overrides)}] {' '.join(job_args)}", flush=True)
                 t0 = time.time()
                 with open(entry["log"], "w") as out:
-                    env = dict(os.environ, ZEROLAB_SWEEP=sweep_dir.name)
+                    # one wandb group per sweep (zerolab.metrics reads it)
+                    env = dict(os.environ, ZEROLAB_WANDB_GROUP=f"{self.config.experiment}/{sweep_dir.name}")
                     try:
                         code = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, env=env,
                                               timeout=self.timeout_s or None).returncode
@@ -121,4 +124,9 @@ class TorchrunLauncher(Launcher):
             tmp.write_text(json.dumps(index, indent=2))
             os.replace(tmp, index_path)
             results.append(ret)
+        if self.report and any(r.status == JobStatus.COMPLETED for r in results):
+            # The comparison of everything in the sweep directory (earlier batches included).
+            print(f"[sweep] report: python -m zerolab compare {sweep_dir} --out {sweep_dir / 'report'}", flush=True)
+            subprocess.run([sys.executable, "-m", "zerolab", "compare", str(sweep_dir), "--out",
+                            str(sweep_dir / "report")], check=False)
         return results
