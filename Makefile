@@ -21,8 +21,12 @@ $(STAMP): pyproject.toml Makefile
 
 install: $(STAMP)
 
+# The default job: the strategy comparison, short, on 2 CPU ranks (conf/experiment/compare.yaml).
+# Each strategy is its own torchrun job (hydra_plugins/zerolab_torchrun) in one sweep directory;
+# the sweep ends by printing the report's table and the paths of its PNGs.
+STRATEGIES ?= ddp,zero1,zero2,deepspeed,torch_zero,fsdp
 run: install
-	$(VENV)/bin/torchrun --standalone --nproc_per_node=2 train.py trainer.max_steps=200 $(ARGS)
+	$(PY) train.py -m experiment=compare strategy=$(STRATEGIES) $(ARGS)
 
 test: install slurm-deps
 	$(PY) -m pytest $(ARGS)
