@@ -493,6 +493,7 @@ class Checkpointer:
         meta = read_meta(path)
         _check_compatible(meta, path, cfg, strategy, self.layout)
         step = int(meta["step"])
+        schedule.resume_from(meta["lr_schedule"])  # re-derives the peak lr if the global batch changed
         self._note_differences(meta, schedule, sampler)
 
         reader = PieceReader(path, meta)
@@ -533,10 +534,12 @@ class Checkpointer:
     def _note_differences(self, meta: dict, schedule, sampler) -> None:
         if not self.ctx.is_main:
             return
-        saved = {k: v for k, v in meta["lr_schedule"].items() if k != "next_lr"}
-        if saved != asdict(schedule):
-            log.warning("checkpoint: the LR schedule differs from the checkpoint's (%s now, %s saved); "
-                        "continuing with the new one", asdict(schedule), saved)
+        keys = ("warmup_steps", "max_steps", "decay", "min_lr_ratio", "base_lr")  # batch scaling: resume_from
+        now, saved = asdict(schedule), meta["lr_schedule"]
+        changed = {k: (saved.get(k), now.get(k)) for k in keys if saved.get(k) != now.get(k)}
+        if changed:
+            log.warning("checkpoint: the LR schedule differs from the checkpoint's (saved, now): %s; "
+                        "continuing with the new one", changed)
         if meta["sampler"]["global_batch"] != sampler.global_batch or meta["sampler"]["seed"] != sampler.seed:
             log.warning("checkpoint: global batch or seed changed (%s saved); the data order after the resume "
                         "differs from the original run's", meta["sampler"])
