@@ -324,7 +324,8 @@ def _check_compatible(meta: dict, path: str, cfg, strategy, layout: dict) -> Non
     elif meta["strategy"] not in RESHARDABLE:
         raise CheckpointError(f"{where}: written by strategy {meta['strategy']!r}; zerolab's format loads across "
                               f"{', '.join(RESHARDABLE)} only")
-    if meta["strategy"] != "deepspeed" and type(strategy).load_checkpoint_state is Strategy.load_checkpoint_state:
+    if meta["strategy"] != "deepspeed" and (cfg.strategy.name not in RESHARDABLE or
+                                            type(strategy).load_checkpoint_state is Strategy.load_checkpoint_state):
         raise CheckpointError(f"strategy={cfg.strategy.name} cannot load zerolab checkpoints; resume {path} with "
                               f"one of {', '.join(RESHARDABLE)}")
     if meta["optimizer"] != cfg.optim.name:
@@ -365,11 +366,26 @@ def _is_deepspeed(strategy) -> bool:
     return strategy.name == "deepspeed" and getattr(strategy, "engine", None) is not None
 
 
+def _writes_checkpoints(strategy) -> bool:
+    """By name, not by method: torch_zero inherits DDP's methods, but its optimizer state lives
+    on the rank that owns each parameter, which DDP's rank-0-writes-all would silently drop."""
+    from zerolab.strategies.base import Strategy
+
+    return _is_deepspeed(strategy) or (strategy.name in RESHARDABLE and
+                                       type(strategy).checkpoint_state is not Strategy.checkpoint_state)
+
+
 # ---- save / resume during training -----------------------------------------------------------------
 class Checkpointer:
-    def __init__(self, cfg, ctx, run_dir: str, layout: dict):
+    def __init__(self, cfg, ctx, run_dir: str, layout: dict, strategy=None):
+        from zerolab.config import ConfigError
+
         self.cfg, self.ctx, self.layout = cfg, ctx, layout
         self.dir = os.path.abspath(cfg.checkpoint.dir or os.path.join(run_dir, "checkpoints"))
+        if cfg.checkpoint.every and strategy is not None and not _writes_checkpoints(strategy):
+            # Fail now, not after `every` steps of training.
+            raise ConfigError(f"checkpoint.every={cfg.checkpoint.every}: strategy={cfg.strategy.name} cannot write "
+                              f"checkpoints yet; use one of {', '.join(RESHARDABLE)} or deepspeed, or checkpoint.every=0")
 
     def save(self, step: int, strategy, schedule, sampler) -> str:
         """Collective. Every rank writes its pieces; rank 0 writes meta.json and publishes."""
