@@ -542,12 +542,13 @@ def plot_sweep(path: str, shape: ModelShape, worlds: list[int], table: dict[str,
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for label, values in table.items():
-        ax.plot(worlds, [v / GB for v in values], marker="o", label=label)
+    styles = ["-", "--", ":", "-."]  # strategies that coincide (zero3 / fsdp) stay visible
+    for i, (label, values) in enumerate(table.items()):
+        ax.plot(worlds, [v / GB for v in values], marker="os^vDx*P"[i % 8], linestyle=styles[i % 4], label=label)
     ax.set_xscale("log", base=2)
     ax.set_xticks(worlds, [str(w) for w in worlds])
     ax.set_xlabel("data-parallel ranks N")
-    ax.set_ylabel("GB per rank (model states + buffers)")
+    ax.set_ylabel("GB on rank 0 (model states + buffers)")
     ax.set_title(f"{shape.name}, {precision}, {optim}")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend()
