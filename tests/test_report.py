@@ -24,7 +24,7 @@ def test_report_tables_figures_and_parity(runs, tmp_path):
     tampered = tmp_path / "tampered"
     shutil.copytree(runs / "torch_zero", tampered)
     w = load_file(str(tampered / "model.safetensors"))
-    w["blocks.0.attn.c_attn.weight"][0, 0] *= 1.01
+    w["blocks.0.attn.qkv.weight"][0, 0] *= 1.01
     save_file(w, str(tampered / "model.safetensors"))
 
     out = tmp_path / "report"
@@ -34,9 +34,12 @@ def test_report_tables_figures_and_parity(runs, tmp_path):
     for png in ("loss", "loss_diff", "memory", "step_time", "comm"):
         assert (out / f"{png}.png").stat().st_size > 1000, png
         assert f"{png}.png" in proc.stdout and f"({png}.png)" in md
-    rows = {line.split("|")[1].strip(): line for line in md.splitlines() if line.startswith("| ")}
-    assert "**match**" in rows["torch_zero"]
-    assert "**MISMATCH**" in rows["torch_zero (tampered)"] and "blocks.0.attn.c_attn.weight" in rows["torch_zero (tampered)"]
+    parity = md.split("## Parity")[1].split("## ")[0]
+    # Two runs with the same settings are told apart by their directory names.
+    rows = {line.split("|")[1].strip(): line for line in parity.splitlines() if line.startswith("| ")}
+    assert "**match**" in rows["torch_zero (torch_zero)"]
+    bad = rows["torch_zero (tampered)"]
+    assert "**MISMATCH**" in bad and "blocks.0.attn.qkv.weight" in bad
     assert "MISMATCH" in proc.stderr
     # The comm column compares with 2Ψ(N−1)/N: ddp's all-reduce is exactly the theory.
     ddp_row = [line for line in proc.stdout.splitlines() if line.startswith("| ddp ")][0]
