@@ -10,7 +10,7 @@ one job at a time (they would compete for the same cores). Results:
   <hydra.sweep.dir>/            multirun.yaml (Hydra's), sweep.json (jobs, run dirs, exit codes)
   <hydra.sweep.dir>/<n>-<label>/   one zerolab run directory per job (config, metrics, weights)
   <hydra.sweep.dir>/<n>-<label>.log   the job's console output
-  <hydra.sweep.dir>/report/     with hydra.launcher.report=true: `python -m zerolab compare` of the sweep
+  <hydra.sweep.dir>/report/     `python -m zerolab compare` of the sweep (hydra.launcher.report=false: none)
 
 Selected by `hydra/launcher=torchrun` (conf/experiment/compare.yaml selects it for the sweep).
 (No `from __future__ import annotations`: Hydra loads plugin modules without registering them
@@ -44,7 +44,7 @@ class TorchrunLauncherConf:
     extra_args: List[str] = field(default_factory=list)  # more torchrun arguments
     timeout_s: float = 0  # per job; 0: none
     stop_on_failure: bool = False  # false: run the remaining jobs, report failures at the end
-    report: bool = False  # after the jobs: python -m zerolab compare <sweep dir> --out <sweep dir>/report
+    report: bool = True  # after the jobs: python -m zerolab compare <sweep dir> --out <sweep dir>/report
 
 
 ConfigStore.instance().store(group="hydra/launcher", name="torchrun", node=TorchrunLauncherConf, provider="zerolab")
@@ -64,7 +64,7 @@ def job_labels(job_overrides: Sequence[Sequence[str]]) -> list[str]:
 
 class TorchrunLauncher(Launcher):
     def __init__(self, nproc_per_node: int = 2, extra_args: Optional[list] = None, timeout_s: float = 0,
-                 stop_on_failure: bool = False, report: bool = False) -> None:
+                 stop_on_failure: bool = False, report: bool = True) -> None:
         self.nproc_per_node, self.extra_args = nproc_per_node, list(extra_args or [])
         self.timeout_s, self.stop_on_failure, self.report = timeout_s, stop_on_failure, report
         self.config: Optional[DictConfig] = None
