@@ -119,10 +119,12 @@ def test_lamb_trust_ratio_rules():
     assert _rel(off, adamw) < 1e-6 and opt.step_stats() == {}
 
 
-def test_lars_matches_paper_formula():
+@pytest.mark.parametrize("impl", ["foreach", "for_loop"])
+def test_lars_matches_paper_formula(impl):
     init = _params()
     lr, mu, wd, tc, eps = 2.0, 0.9, 1e-4, 0.001, 1e-8
-    ours, _ = _run(lambda ps: Lars(ps, lr=lr, momentum=mu, weight_decay=wd, trust_coefficient=tc, eps=eps), init, 10)
+    ours, _ = _run(lambda ps: Lars(ps, lr=lr, momentum=mu, weight_decay=wd, trust_coefficient=tc, eps=eps,
+                                   impl=impl), init, 10)
     ws = [t.double().clone() for t in init]
     bufs = [torch.zeros_like(w) for w in ws]
     g = torch.Generator().manual_seed(1)

@@ -1,9 +1,11 @@
 """What zerolab's optimizers share: kernel choice, flat-group plumbing, and the numbers the
 trainer logs about each step (update-to-weight ratios, trust ratios).
 
-Every zerolab optimizer computes the update Δw of each tensor explicitly and then adds it
-(p += Δw). That costs one temporary per tensor, the same as torch's foreach AdamW keeps for its
-denominator, and makes ‖Δw‖ available for free on the steps where the trainer asks for it.
+Every zerolab optimizer computes the step of each tensor into one temporary per tensor (the
+same as torch's foreach AdamW keeps for its denominator) and adds it to the weights; AdamW's
+decoupled decay is applied first, as torch orders it. When the trainer asks (logged steps only),
+the optimizer also records ‖Δw‖² and ‖w‖² per tensor, from sums and dot products, without
+materialising Δw.
 
 Kernels (`impl`):
   for_loop  one tensor at a time (a Python loop of small kernels)
@@ -85,7 +87,8 @@ class ZerolabOptimizer(torch.optim.Optimizer):
         return [state[n] for n in names]
 
     def _advance_step(self, params: list[torch.Tensor]) -> int:
-        """Increment the per-parameter step counters; returns the new step (1 on the first)."""
+        """Increment the per-parameter step counters; returns the new step (1 on the first).
+        A group steps together, so one count serves it (zerolab checkpoints store one value)."""
         steps = [self.state[p]["step"] for p in params]
         for s in steps:
             s += 1

@@ -32,7 +32,9 @@ class Lars(ZerolabOptimizer):
         if not params:
             return
         lr, mu, wd = group["lr"], group["momentum"], group["weight_decay"]
-        d = torch._foreach_add(grads, params, alpha=wd) if wd else torch._foreach_mul(grads, 1.0)
+        d = []  # g + λw, a new tensor per parameter (it becomes Δw)
+        for gs, ps in self._chunks(group, grads, params):
+            d.extend(torch._foreach_add(gs, ps, alpha=wd) if wd else torch._foreach_mul(gs, 1.0))
         if group["trust_ratio"]:
             w_norm, g_norm = layer_norms(group, params, grads)
             local = trust_ratio(group["trust_coefficient"] * w_norm, g_norm + wd * w_norm + group["eps"],
@@ -41,13 +43,15 @@ class Lars(ZerolabOptimizer):
             self._record_trust(local)
             scale_per_tensor(group, d, local * lr)
         else:
-            torch._foreach_mul_(d, lr)
+            for ds, in self._chunks(group, d):
+                torch._foreach_mul_(ds, lr)
         if mu:
             bufs = [self._state(p, "momentum_buffer")[0] for p in params]
             self._advance_step(params)
-            torch._foreach_mul_(bufs, mu)
-            torch._foreach_add_(bufs, d)
-            d = torch._foreach_mul(bufs, -1.0)
-        else:
-            torch._foreach_neg_(d)
+            for bs, ds in self._chunks(group, bufs, d):
+                torch._foreach_mul_(bs, mu)
+                torch._foreach_add_(bs, ds)
+                torch._foreach_copy_(ds, bs)
+        for ds, in self._chunks(group, d):
+            torch._foreach_neg_(ds)
         self._apply(group, params, d, names)
