@@ -183,3 +183,12 @@ def test_bad_settings_are_named():
         AdamW([torch.nn.Parameter(torch.zeros(2))], impl="fast")
     with pytest.raises(ValueError, match="max_trust_ratio"):
         Lamb([torch.nn.Parameter(torch.zeros(2))], max_trust_ratio=0)
+
+
+def test_optim_state_command(capsys):
+    from zerolab.optim.cli import optim_state_main
+
+    assert optim_state_main(["--optim", "sgd", "sgd_momentum", "lamb", "--model", "mlp"]) == 0
+    rows = {line.split()[0]: line.split() for line in capsys.readouterr().out.splitlines()[2:]}
+    assert {k: float(v[1]) for k, v in rows.items()} == {"sgd": 0.0, "sgd_momentum": 1.0, "lamb": 2.0}
+    assert int(rows["lamb"][2].replace(",", "")) == 2 * 4 * int(rows["lamb"][3].replace(",", ""))  # fp32 m, v

@@ -68,3 +68,14 @@ def test_lr_command(capsys):
     assert out.splitlines()[0].startswith("lr = 0.003 ")
     with pytest.raises(SystemExit):
         lr_main(["--base-lr", "3e-4", "--base-batch", "0", "--batch", "10"])
+
+
+def test_large_batch_lamb_experiment():
+    from zerolab.config import compose, global_batch, validate
+
+    cfg = compose(["experiment=large_batch_lamb"])
+    assert cfg.experiment == "large_batch_lamb" and cfg.optim.name == "lamb"
+    cfg = validate(cfg, world_size=2)  # 2 ranks: 256 = 8 per micro-batch x 16 micro-batches x 2
+    assert global_batch(cfg, 2) == 256 and cfg.trainer.grad_accum_steps == 16
+    peak = LRSchedule.from_config(cfg.optim, 256, cfg.trainer.max_steps).peak_lr
+    assert peak == pytest.approx(4e-3 * math.sqrt(256 / 32))
