@@ -79,3 +79,19 @@ def test_large_batch_lamb_experiment():
     assert global_batch(cfg, 2) == 256 and cfg.trainer.grad_accum_steps == 16
     peak = LRSchedule.from_config(cfg.optim, 256, cfg.trainer.max_steps).peak_lr
     assert peak == pytest.approx(4e-3 * math.sqrt(256 / 32))
+
+
+def test_resume_on_fewer_ranks_rescales_lr_and_says_so(tmp_path):
+    """2 ranks × 4 sequences (batch 8), linear rule with lr tuned at the run's own batch; resumed
+    on 1 rank (batch 4) the peak lr halves, and the log line says why."""
+    from conftest import read_metrics, run_train
+
+    run = tmp_path / "run"
+    common = ["model=mlp", "data=synthetic", "data.micro_batch=4", "optim=sgd", "optim.lr=0.2",
+              "optim.lr_scaling=linear", "optim.decay=constant", "optim.warmup_steps=0", "trainer.eval_every=0",
+              "checkpoint.every=2"]
+    run_train(run, 2, *common, "trainer.max_steps=2")
+    proc = run_train(run, 1, *common, "trainer.max_steps=4", "checkpoint.resume=auto")
+    lrs = {r["step"]: (r["lr"], r["global_batch"]) for r in read_metrics(run)}
+    assert lrs[1] == (pytest.approx(0.2), 8) and lrs[4] == (pytest.approx(0.1), 4)
+    assert "resumed at global batch 4 (the checkpoint ran at 8): optim.lr_scaling=linear" in proc.stdout + proc.stderr

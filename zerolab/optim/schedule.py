@@ -71,7 +71,7 @@ class LRSchedule:
                    f"{self.rule} with base lr {self.base_lr:.4g} at batch {self.base_batch} gives peak lr "
                    f"{self.peak_lr:.4g} (this config alone would give {before:.4g}; the checkpoint used "
                    f"{float(saved.get('peak_lr', float('nan'))):.4g})")
-        log.warning("lr scaling: %s", msg)
+        log.info("lr scaling: %s", msg)  # info: rank 0 prints it (other ranks log warnings only)
         return msg
 
     def __call__(self, step: int) -> float:
