@@ -74,7 +74,7 @@ class Precision:
     def from_config(cls, cfg: PrecisionConfig) -> "Precision":
         if cfg.name == "bf16_pure":
             log.warning("precision=bf16_pure: the optimizer updates bf16 weights directly, with no fp32 "
-                        "master copy. Updates smaller than ~0.4%% of a weight are lost. This mode exists "
+                        "master copy. Updates smaller than ~0.4% of a weight are lost. This mode exists "
                         "to show why master weights matter; use precision=bf16 to train.")
         return cls(cfg.name, _DTYPES[cfg.name], cfg.name in ("bf16", "fp16"),
                    LossScaler(cfg, enabled=cfg.name == "fp16"))
