@@ -316,14 +316,18 @@ def _zero12(p: Prediction, shape: ModelShape, *, strategy, world, precision, k, 
     if strategy == "zero1":
         p.add("grads", padded * c, f"{dt} gradients, whole, views into per-bucket flat buffers "
                                    f"(kept between steps): {_fmt_n(padded)} × {c}")
-    p.add("grads", shard * 4, f"fp32 gradient shard (the owned chunks): {_fmt_n(shard)} × 4")
-    p.add("master", shard * 4, f"fp32 master shard the optimizer updates: {_fmt_n(shard)} × 4"
+    s = 2 if precision == "bf16_pure" else 4  # bf16_pure updates a bf16 shard: no fp32 anywhere
+    sd = "bf16" if s == 2 else "fp32"
+    p.add("grads", shard * s, f"{sd} gradient shard (the owned chunks): {_fmt_n(shard)} × {s}")
+    p.add("master", shard * s, f"{sd} {'weight' if s == 2 else 'master'} shard the optimizer updates: "
+          f"{_fmt_n(shard)} × {s}"
           + (" (in fp32 training it duplicates the owned weights)" if precision == "fp32" else ""))
-    p.add("optim_state", shard * k * 4, f"optimizer state of the shard: {_fmt_n(shard)} × {k:g} × 4")
+    p.add("optim_state", shard * k * s, f"optimizer state of the shard: {_fmt_n(shard)} × {k:g} × {s}")
     rb = 4 if reduce_dtype == "fp32" else c
     if strategy == "zero2":
-        p.add("transient", padded * rb, "gradient buckets copied for reduce-scatter; they are freed when "
-                                        "drained, after backward, so at the peak all of them coexist")
+        p.add("transient", min(len(sizes), 1 + 4) * max(sizes) * rb,
+              "gradient buckets copied for reduce-scatter, freed as each finishes during backward "
+              "(at most MAX_IN_FLIGHT = 4 in flight plus the one filling)")
     elif rb != c:
         p.add("transient", max(sizes) * rb, "fp32 copy of a bucket for reduce-scatter (strategy.reduce_dtype=fp32)")
     p.add("transient", max(sizes) // N * (4 + rb), "reduce-scatter output / all-gather input chunk of one bucket")
@@ -333,7 +337,7 @@ def _zero12(p: Prediction, shape: ModelShape, *, strategy, world, precision, k, 
     p.notes.append(f"vs the paper ({paper} in mixed precision): the gradient shard is fp32 (4Ψ/N)"
                    + (" on top of the whole 16-bit gradients" if strategy == "zero1" else " rather than 16-bit (2Ψ/N)")
                    + ("; in fp32 training the fp32 master shard (4Ψ/N) duplicates owned weights" if precision == "fp32" else "")
-                   + ("; bf16_pure still updates an fp32 shard here" if precision == "bf16_pure" else ""))
+                   + ("; bf16_pure updates a bf16 shard (no fp32 copy)" if precision == "bf16_pure" else ""))
 
 
 def _zero3(p: Prediction, shape: ModelShape, *, world, precision, k, **_):

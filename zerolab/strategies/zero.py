@@ -44,6 +44,8 @@ from zerolab.memory import StorageCounter
 from zerolab.optim.segments import Segment
 from zerolab.strategies.base import OptimizerFactory, ShardPiece, StepInfo, Strategy
 
+MAX_IN_FLIGHT = 4  # zero2: reduce-scatters allowed in flight before backward waits for the oldest
+
 
 @dataclass
 class Bucket:
@@ -66,7 +68,7 @@ class Bucket:
 
 @dataclass
 class FlatGroup:
-    master: nn.Parameter  # fp32 shard; .grad is the fp32 gradient shard
+    master: nn.Parameter  # the shard the optimizer updates (fp32; bf16 in bf16_pure); .grad: its gradient
     segments: list[Segment] = field(default_factory=list)
     names: list[str] = field(default_factory=list)
 
@@ -82,6 +84,9 @@ class ZeroStrategy(Strategy):
         for p in model.parameters():  # every rank starts from rank 0's weights
             dist.broadcast(p.data, src=0)
         self.reduce_dtype = torch.float32 if self.cfg.strategy.reduce_dtype == "fp32" else self.precision.compute_dtype
+        # The shard the optimizer updates: fp32 master weights, except in bf16_pure, whose point
+        # is to update the 16-bit weights themselves (the owned chunk, then all-gathered).
+        self.shard_dtype = self.precision.compute_dtype if self.precision.name == "bf16_pure" else torch.float32
         self.buckets = self._make_buckets(model, param_groups)
         self.bucket_of = {id(p): b for b in self.buckets for p, _, _ in b.params}
         self.offset_of = {id(p): off for b in self.buckets for p, _, off in b.params}
@@ -153,7 +158,7 @@ class ZeroStrategy(Strategy):
                 p.grad = b.flat_grads[off:off + p.numel()].view_as(p)
 
     def _make_flat_groups(self, param_groups: list[dict]) -> list[FlatGroup]:
-        groups = [FlatGroup(nn.Parameter(torch.zeros(n, dtype=torch.float32, device=self.ctx.device)),
+        groups = [FlatGroup(nn.Parameter(torch.zeros(n, dtype=self.shard_dtype, device=self.ctx.device)),
                             names=list(g["names"])) for n, g in zip(self.shard_sizes, param_groups)]
         for g in groups:
             g.master.grad = torch.zeros_like(g.master)
@@ -208,6 +213,9 @@ class ZeroStrategy(Strategy):
                 return
             self._reduce_scatter(b)
             self.next_launch += 1
+        # Free finished buckets while backward goes on, so zero2 never holds a whole gradient;
+        # past MAX_IN_FLIGHT buckets, wait for the oldest (bounds memory if comm falls behind).
+        self._drain(block=len(self.pending) > MAX_IN_FLIGHT)
 
     def _reduce_scatter(self, b: Bucket) -> None:
         if self.stage == 1:
@@ -223,10 +231,12 @@ class ZeroStrategy(Strategy):
         self.pending.append((work, out, b, buf))
         b.launched = True
 
-    def _drain(self) -> None:
-        """Wait for launched reductions, oldest first (a fixed order keeps sums reproducible),
-        and add each averaged chunk into the fp32 gradient shard."""
-        while self.pending:
+    def _drain(self, block: bool = True) -> None:
+        """Collect launched reductions, oldest first, and add each averaged chunk into the fp32
+        gradient shard. Without `block`, stop at the first one still in flight. (Each bucket
+        owns its own region of the shard, and a bucket's micro-batches are always collected in
+        launch order, so the sums do not depend on when this runs.)"""
+        while self.pending and (block or self.pending[0][0].is_completed()):
             work, out, b, _ = self.pending.popleft()
             work.wait()
             self.groups[b.group].master.grad[b.shard_pos:b.shard_pos + b.chunk].add_(out)
@@ -295,7 +305,7 @@ class ZeroStrategy(Strategy):
         """All-gather the fp32 master chunks; returns id(param) -> full fp32 tensor."""
         out = {}
         for b in self.buckets:
-            full = torch.empty(b.size, dtype=torch.float32, device=self.ctx.device)
+            full = torch.empty(b.size, dtype=self.shard_dtype, device=self.ctx.device)
             dist.all_gather_single(full, self.groups[b.group].master.data[b.shard_pos:b.shard_pos + b.chunk].contiguous())
             for p, _, off in b.params:
                 out[id(p)] = full[off:off + p.numel()].view(p.shape)
