@@ -288,18 +288,14 @@ def _ddp(p: Prediction, shape: ModelShape, *, precision, k, bucket_bytes, **_):
 
 
 def zero_buckets(shape: ModelShape, world: int, compute_bytes: int, bucket_mb: float) -> list[int]:
-    """Padded bucket sizes (elements) of zerolab's sharder (strategies/zero.py, _make_buckets):
-    tensors in reverse registration order, one open bucket per param group, a bucket closes once
-    it holds at least bucket_mb of compute-dtype elements, and each is padded to a multiple of N."""
+    """Padded bucket sizes (elements) of zerolab's sharder: its own packing (zero.pack_buckets),
+    each bucket padded to a multiple of N."""
+    from zerolab.strategies.zero import pack_buckets
+
     cap = max(1, int(bucket_mb * 2 ** 20 / compute_bytes))
-    open_: dict[int, int] = {}
-    closed = []
-    for g, s in reversed(shape.tensors):
-        open_[g] = open_.get(g, 0) + math.prod(s)
-        if open_[g] >= cap:
-            closed.append(open_.pop(g))
-    closed += list(open_.values())
-    return [_ceil_div(x, world) * world for x in closed]
+    numels = [math.prod(s) for _, s in shape.tensors]
+    buckets = pack_buckets([(g, n) for (g, _), n in zip(shape.tensors, numels)], cap)
+    return [_ceil_div(sum(numels[i] for i in members), world) * world for _, members in buckets]
 
 
 def _zero12(p: Prediction, shape: ModelShape, *, strategy, world, precision, k, bucket_mb, reduce_dtype, **_):

@@ -73,6 +73,25 @@ class FlatGroup:
     names: list[str] = field(default_factory=list)
 
 
+def pack_buckets(tensors: list[tuple[int, int]], cap: int) -> list[tuple[int, list[int]]]:
+    """Bucket packing, shared with the memory ledger's prediction. `tensors` lists (param group,
+    numel) in registration order. Greedy in reverse registration order (≈ the order gradients
+    become ready in backward), one open bucket per group, closed once it holds `cap` elements.
+    Returns (group, tensor indices) per bucket, in the order buckets fill up (launch order)."""
+    open_: dict[int, list[int]] = {}
+    filled: dict[int, int] = {}
+    closed: list[tuple[int, list[int]]] = []
+    for i in reversed(range(len(tensors))):
+        group, numel = tensors[i]
+        open_.setdefault(group, []).append(i)
+        filled[group] = filled.get(group, 0) + numel
+        if filled[group] >= cap:
+            closed.append((group, open_.pop(group)))
+            filled[group] = 0
+    # the rest, by when their last tensor arrives (lowest registration index = latest gradient)
+    return closed + sorted(open_.items(), key=lambda kv: -kv[1][-1])
+
+
 class ZeroStrategy(Strategy):
     stage = 1
     sharded_grads = True
@@ -116,20 +135,12 @@ class ZeroStrategy(Strategy):
         return [p for b in self.buckets for p, _, _ in b.params]
 
     def _make_buckets(self, model: nn.Module, param_groups: list[dict]) -> list[Bucket]:
-        """Greedy packing in reverse registration order (≈ gradient-ready order), one open
-        bucket per group; buckets are listed in the order they fill up."""
         order = {id(p): i for i, p in enumerate(model.parameters())}
         entries = sorted(((order[id(p)], gi, ti, p) for gi, g in enumerate(param_groups)
-                          for ti, p in enumerate(g["params"])), key=lambda e: -e[0])
+                          for ti, p in enumerate(g["params"])), key=lambda e: e[0])
         cap = max(1, int(self.cfg.strategy.bucket_mb * 2**20 / self.precision.compute_dtype.itemsize))
-        open_: dict[int, list] = {}
-        closed: list[tuple[int, list]] = []
-        for _, gi, ti, p in entries:
-            cur = open_.setdefault(gi, [])
-            cur.append((p, ti))
-            if sum(q.numel() for q, _ in cur) >= cap:
-                closed.append((gi, open_.pop(gi)))
-        closed += sorted(open_.items(), key=lambda kv: -order[id(kv[1][-1][0])])  # by last param
+        closed = [(gi, [(entries[i][3], entries[i][2]) for i in members])
+                  for gi, members in pack_buckets([(gi, p.numel()) for _, gi, _, p in entries], cap)]
         shard_pos = [0] * len(param_groups)
         buckets = []
         for gi, members in closed:
