@@ -8,6 +8,7 @@
 """
 import subprocess
 
+import pytest
 import torch
 
 from conftest import ROOT, TORCHRUN, base_env, load_weights, read_metrics, run_train
@@ -51,11 +52,12 @@ def test_hung_rank_ends_job_naming_it(tmp_path):
     assert "RankStopped" in out and "stopped: rank 1 (last started step 1)" in out
 
 
-def test_dead_rank_without_restarts_ends_job_naming_it(tmp_path):
-    proc = torchrun(tmp_path / "run", "dist.timeout_s=20", "fault.kill_rank=1", "fault.at_step=2", "fault.mode=exit",
+@pytest.mark.parametrize("mode", ["exit", "raise"])
+def test_dead_rank_without_restarts_ends_job_naming_it(tmp_path, mode):
+    proc = torchrun(tmp_path / "run", "dist.timeout_s=20", "fault.kill_rank=1", "fault.at_step=2", f"fault.mode={mode}",
                     timeout=240)
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0
-    assert "rank 1 fails before step 2 (fault.mode=exit)" in out
+    assert f"rank 1 fails before step 2 (fault.mode={mode})" in out
     # torchrun's summary names the first failure; if rank 0 saw the broken collective first, ours does.
     assert "rank      : 1 (local_rank: 1)" in out.split("Root Cause")[-1] or "stopped: rank 1" in out
