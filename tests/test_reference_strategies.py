@@ -63,7 +63,7 @@ def test_torch_reference_fp32_matches_ddp(tmp_path, ddp_weights, strategy):
 @pytest.mark.parametrize("strategy", ["deepspeed", "fsdp"])
 def test_bf16_reference_strategies_train(tmp_path, deepspeed_ops, strategy):
     run = tmp_path / strategy
-    run_train(run, 2, "model=gpt_tiny", "precision=bf16", f"strategy={strategy}", "trainer.max_steps=30",
+    run_train(run, 2, "model=gpt_tiny", "precision=bf16", f"strategy={strategy}", "trainer.max_steps=20",
               "trainer.eval_every=0", "data.micro_batch=4")
     m = read_metrics(run)
     assert m[-1]["loss"] < m[0]["loss"] - 0.3
