@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from conftest import load_weights, max_rel_diff, read_metrics, run_python, run_train
 
@@ -85,9 +86,14 @@ def test_broken_deepspeed_install_names_the_install_command(tmp_path):
     assert "pip install deepspeed==0.19.8" in proc.stderr, proc.stderr[-3000:]
 
 
-def test_lamb_under_deepspeed_needs_the_client_optimizer_flag(tmp_path):
-    proc = run_python(str(Path(__file__).resolve().parents[1] / "train.py"), "strategy=deepspeed",
-                      "optim.name=lamb", f"run.dir={tmp_path / 'run'}", "trainer.max_steps=1",
-                      "logging.wandb.mode=disabled", check=False)
+@pytest.mark.parametrize("override,message", [("optim.name=lamb", "strategy.client_optimizer=true"),
+                                               pytest.param("precision=fp16", "use precision=bf16 or fp32",
+                                                            marks=pytest.mark.skipif(
+                                                                torch.cuda.is_available(),
+                                                                reason="DeepSpeed supports fp16 on CUDA"))])
+def test_deepspeed_settings_it_cannot_honour_are_config_errors(tmp_path, deepspeed_ops, override, message):
+    proc = run_python(str(Path(__file__).resolve().parents[1] / "train.py"), "strategy=deepspeed", override,
+                      f"run.dir={tmp_path / 'run'}", "trainer.max_steps=1", "logging.wandb.mode=disabled",
+                      check=False)
     assert proc.returncode == 2, proc.stderr[-3000:]
-    assert "strategy.client_optimizer=true" in proc.stderr
+    assert message in proc.stderr

@@ -141,6 +141,12 @@ class DeepSpeedStrategy(Strategy):
         deepspeed = import_deepspeed()
         logging.getLogger("DeepSpeed").setLevel(logging.WARNING)  # its INFO lines drown the progress bar
         cfg = self.cfg
+        from deepspeed.accelerator import get_accelerator
+
+        accel = get_accelerator()
+        if cfg.precision.name == "fp16" and not accel.is_fp16_supported():
+            raise ConfigError(f"precision=fp16 under strategy=deepspeed: DeepSpeed's {accel.device_name()} "
+                              "accelerator does not support fp16 here; use precision=bf16 or fp32, or run on CUDA")
         self.sharded_grads = cfg.strategy.stage >= 2
         model.to(self.ctx.device)  # DeepSpeed casts to bf16/fp16 itself
         self.names = {id(p): n for n, p in model.named_parameters()}
