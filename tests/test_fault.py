@@ -20,11 +20,8 @@ COMMON = ["model=gpt_tiny", "data=text", "trainer.eval_every=0", "data.micro_bat
 def torchrun(run_dir, *overrides, restarts=0, timeout=300):
     cmd = [*TORCHRUN, "--standalone", "--nproc_per_node=2", f"--max-restarts={restarts}", str(ROOT / "train.py"),
            f"run.dir={run_dir}", *COMMON, *overrides]
-    # torchrun (torch 2.13) shares one store across restart rounds without a per-round prefix, so a
-    # restarted gloo group can read the dead round's addresses and fail to connect; a fresh store
-    # per round avoids that (see README, "Checkpoints").
-    env = base_env(TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
-    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    # torchrun's own store is shared across restart rounds; zerolab.dist namespaces it per round.
+    return subprocess.run(cmd, cwd=ROOT, env=base_env(), capture_output=True, text=True, timeout=timeout)
 
 
 def test_killed_rank_restarts_and_matches_uninterrupted(tmp_path):

@@ -33,7 +33,7 @@ import shutil
 import struct
 import sys
 from dataclasses import asdict
-from typing import Callable, Iterable, Optional
+from typing import Callable, Optional
 
 import torch
 

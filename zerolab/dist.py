@@ -26,6 +26,7 @@ class DistContext:
     world_size: int
     device: torch.device
     backend: str
+    store: Optional[dist.Store] = None  # the job's key-value store (this restart round's namespace)
 
     @property
     def is_main(self) -> bool:
@@ -93,12 +94,17 @@ def init(cfg: DistConfig) -> DistContext:
     backend = cfg.backend if cfg.backend != "auto" else ("nccl" if use_cuda else "gloo")
     timeout = datetime.timedelta(seconds=cfg.timeout_s)
     if "MASTER_ADDR" in os.environ:
-        dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout,
-                                device_id=device if backend == "nccl" else None)
+        store, _, _ = next(dist.rendezvous("env://", rank=rank, world_size=world, timeout=timeout))
+        # torchrun can keep one store across restart rounds; keys of a dead round (its gloo
+        # addresses) must not be read by the next one, so every round gets its own namespace.
+        store = dist.PrefixStore(f"zerolab/round{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/", store)
     else:
         # Single process without a launcher: an in-memory store keeps every code path identical.
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
-    return DistContext(rank=rank, local_rank=local_rank, world_size=world, device=device, backend=backend)
+        store = dist.HashStore()
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout,
+                            device_id=device if backend == "nccl" else None)
+    return DistContext(rank=rank, local_rank=local_rank, world_size=world, device=device, backend=backend,
+                       store=store)
 
 
 def shutdown(ctx: Optional[DistContext]) -> None:

@@ -12,7 +12,6 @@ step); a rank whose collective fails reads the board and names the ranks that fe
 """
 from __future__ import annotations
 
-import datetime
 import logging
 import os
 import sys
@@ -62,16 +61,9 @@ class FaultInjector:
 class ProgressBoard:
     """Each rank's current step in the launcher's store, to name the rank that stopped."""
 
-    def __init__(self, rank: int, world_size: int, timeout_s: float = 10.0):
-        self.rank, self.world, self.step, self.store = rank, world_size, -1, None
-        if world_size > 1 and "MASTER_ADDR" in os.environ:
-            try:
-                # A second client of the store torchrun (or rank 0) already serves for rendezvous.
-                base = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                                     timeout=datetime.timedelta(seconds=timeout_s))
-                self.store = dist.PrefixStore(f"zerolab/progress/{restart_count()}/", base)
-            except Exception as err:  # diagnostics only: training works without the board
-                log.warning("rank %d: cannot reach the job's store (%s); a stopped rank will not be named", rank, err)
+    def __init__(self, rank: int, world_size: int, store: "dist.Store | None"):
+        self.rank, self.world, self.step = rank, world_size, -1
+        self.store = dist.PrefixStore("zerolab/progress/", store) if store is not None and world_size > 1 else None
 
     def starting(self, step: int) -> None:
         self.step = step

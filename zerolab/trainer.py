@@ -83,7 +83,7 @@ class Trainer:
         self.schedule = LRSchedule.from_config(cfg.optim, self.global_batch, t.max_steps)
         self.start_step = 0
         self.fault = FaultInjector(cfg.fault, ctx.rank, ctx.world_size)
-        self.progress = ProgressBoard(ctx.rank, ctx.world_size)  # names a rank that stops
+        self.progress = ProgressBoard(ctx.rank, ctx.world_size, ctx.store)  # names a rank that stops
         self.checkpointer = Checkpointer(cfg, ctx, self.run_dir, model_layout(model), self.strategy)
         if cfg.checkpoint.resume:  # weights, optimizer state, RNG, loss scale; data and LR follow the step
             self.start_step = self.checkpointer.resume(self.strategy, self.schedule, self.sampler)
