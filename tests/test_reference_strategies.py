@@ -6,7 +6,6 @@ runs with model.bias=false; tests/test_ddp.py says why. DeepSpeed compiles two C
 (~2 min, cached in ~/.cache/torch_extensions); the session fixture does it once, before any
 torchrun job, so the two ranks of the first job do not both wait on the compiler.
 """
-import sys
 from pathlib import Path
 
 import pytest

@@ -4,7 +4,7 @@ import shutil
 
 import pytest
 
-from conftest import ROOT, run_python, run_train
+from conftest import run_python, run_train
 
 COMMON = ["model=gpt_tiny", "model.bias=false", "trainer.max_steps=6", "trainer.eval_every=3", "data.micro_batch=4"]
 

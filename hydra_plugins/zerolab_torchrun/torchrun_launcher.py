@@ -26,7 +26,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, List, Optional, Sequence
+from typing import List, Optional, Sequence
 
 from hydra.core.config_store import ConfigStore
 from hydra.core.utils import JobReturn, JobStatus
