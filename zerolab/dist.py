@@ -8,6 +8,7 @@ no module-global process group of its own.
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 import subprocess
 from dataclasses import dataclass
@@ -108,5 +109,12 @@ def init(cfg: DistConfig) -> DistContext:
 
 
 def shutdown(ctx: Optional[DistContext]) -> None:
+    """Tear down in a fixed order. The store and any strategy still referencing the group go
+    before the group itself: if they were left for interpreter shutdown to destroy, the store
+    client's destructor could run after the runtime it needs and abort the process (seen as
+    'terminate called without an active exception' once the job had already finished)."""
+    if ctx is not None:
+        ctx.store = None
+    gc.collect()  # strategies live in reference cycles (hooks on the model point back at them)
     if dist.is_initialized():
         dist.destroy_process_group()

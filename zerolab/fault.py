@@ -65,6 +65,10 @@ class ProgressBoard:
         self.rank, self.world, self.step = rank, world_size, -1
         self.store = dist.PrefixStore("zerolab/progress/", store) if store is not None and world_size > 1 else None
 
+    def close(self) -> None:
+        """Drop the store: a store client destroyed during interpreter shutdown can abort it."""
+        self.store = None
+
     def starting(self, step: int) -> None:
         self.step = step
         if self.store is not None:

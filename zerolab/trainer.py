@@ -194,6 +194,7 @@ class Trainer:
     def finish(self, loss: float, eval_loss: float, step_times: list[float], per_rank: list[dict]) -> dict:
         cfg, ctx = self.cfg, self.ctx
         weights = self.strategy.consolidated_state_dict()  # collective
+        self.progress.close()
         summary = {
             "final_loss": loss, "eval_loss": eval_loss, "steps": cfg.trainer.max_steps,
             "world_size": ctx.world_size, "strategy": cfg.strategy.name, "precision": cfg.precision.name,
