@@ -3,7 +3,7 @@
 The launch scripts call this before starting any rank, so that they know where to put the rank
 logs and the status file, and so that every node of a multi-node job is handed the same
 `run.dir=` (the trainer's own choice would be made by one rank 0 only after rendezvous). The name
-follows zerolab.trainer.resolve_run_dir: <run.root>/<experiment>/<time>-<strategy>[-job<id>].
+comes from zerolab.trainer.new_run_dir: <run.root>/<experiment>/<time>-<strategy>[-job<id>].
 Composing the config also validates it: a bad override exits with code 2 here, before any
 allocation or process group is used.
 
@@ -11,25 +11,16 @@ allocation or process group is used.
 """
 import os
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from zerolab.config import ConfigError, compose  # noqa: E402
+from zerolab.trainer import new_run_dir  # noqa: E402
 
 
 def choose(overrides: list[str]) -> str:
     cfg = compose(overrides)
-    if cfg.run.dir:
-        path = cfg.run.dir
-    else:
-        job = os.environ.get("SLURM_JOB_ID")
-        name = time.strftime("%Y%m%d-%H%M%S") + f"-{cfg.strategy.name}" + (f"-job{job}" if job else "")
-        base = path = os.path.join(cfg.run.root, cfg.experiment, name)
-        n = 1
-        while os.path.exists(path):  # two runs started in the same second
-            path, n = f"{base}-{n}", n + 1
-    path = os.path.abspath(path)
+    path = os.path.abspath(cfg.run.dir or new_run_dir(cfg))
     os.makedirs(path, exist_ok=True)
     return path
 

@@ -35,18 +35,22 @@ from zerolab.strategies import strategy_class
 log = logging.getLogger("zerolab")
 
 
+def new_run_dir(cfg: Config) -> str:
+    """A fresh <run.root>/<experiment>/<time>-<strategy>[-job<SLURM_JOB_ID>] path (not created)."""
+    job = os.environ.get("SLURM_JOB_ID")
+    name = time.strftime("%Y%m%d-%H%M%S") + f"-{cfg.strategy.name}" + (f"-job{job}" if job else "")
+    base = path = os.path.join(cfg.run.root, cfg.experiment, name)
+    n = 1
+    while os.path.exists(path):  # two runs started in the same second
+        path, n = f"{base}-{n}", n + 1
+    return path
+
+
 def resolve_run_dir(cfg: Config, ctx: zdist.DistContext) -> str:
     """One directory for all ranks: given as run.dir, or chosen by rank 0 and broadcast."""
     path = cfg.run.dir
     if not path:
-        if ctx.is_main:
-            job = os.environ.get("SLURM_JOB_ID")
-            name = time.strftime("%Y%m%d-%H%M%S") + f"-{cfg.strategy.name}" + (f"-job{job}" if job else "")
-            base = path = os.path.join(cfg.run.root, cfg.experiment, name)
-            n = 1
-            while os.path.exists(path):  # two runs started in the same second
-                path, n = f"{base}-{n}", n + 1
-        path = ctx.broadcast_object(path)
+        path = ctx.broadcast_object(new_run_dir(cfg) if ctx.is_main else None)
     if ctx.is_main:
         os.makedirs(path, exist_ok=True)
         with open(os.path.join(path, "config.yaml"), "w") as fh:

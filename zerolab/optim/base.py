@@ -94,6 +94,27 @@ class ZerolabOptimizer(torch.optim.Optimizer):
             s += 1
         return int(steps[0].item()) if steps else 0
 
+    def _adam_moments(self, group: dict):
+        """What Adam(W) and LAMB share before their updates differ: the live tensors, their m and
+        v, the advanced step and the bias corrections (1 − βᵗ, or 1 without bias correction).
+        Returns None when no tensor of the group has a gradient."""
+        params, grads, names = self._live(group)
+        if not params:
+            return None
+        b1, b2 = group["betas"]
+        states = [self._state(p, "exp_avg", "exp_avg_sq") for p in params]
+        t = self._advance_step(params)
+        bc1 = 1 - b1 ** t if group["bias_correction"] else 1.0
+        bc2 = 1 - b2 ** t if group["bias_correction"] else 1.0
+        return params, grads, names, [m for m, _ in states], [v for _, v in states], bc1, bc2
+
+    @staticmethod
+    def _update_moments(ms: list, vs: list, gs: list, betas) -> None:
+        """m ← β1·m + (1−β1)·g, v ← β2·v + (1−β2)·g², in place."""
+        torch._foreach_lerp_(ms, gs, 1 - betas[0])
+        torch._foreach_mul_(vs, betas[1])
+        torch._foreach_addcmul_(vs, gs, gs, value=1 - betas[1])
+
     def _apply(self, group: dict, params: list[torch.Tensor], updates: list[torch.Tensor],
                names: list[str], decay: float = 0.0) -> None:
         """p ← p·(1 − decay) + s for every tensor, so Δw = s − decay·p. The decay is applied first

@@ -33,19 +33,14 @@ class Lamb(ZerolabOptimizer):
         super().__init__(params, defaults, impl)
 
     def _step_group(self, group: dict) -> None:
-        params, grads, names = self._live(group)
-        if not params:
+        live = self._adam_moments(group)
+        if live is None:
             return
-        lr, (b1, b2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
-        states = [self._state(p, "exp_avg", "exp_avg_sq") for p in params]
-        t = self._advance_step(params)
-        bc1 = 1 - b1 ** t if group["bias_correction"] else 1.0
-        bc2 = 1 - b2 ** t if group["bias_correction"] else 1.0
+        params, grads, names, m_all, v_all, bc1, bc2 = live
+        lr, eps, wd = group["lr"], group["eps"], group["weight_decay"]
         updates = []
-        for ps, gs, ms, vs in self._chunks(group, params, grads, [s[0] for s in states], [s[1] for s in states]):
-            torch._foreach_lerp_(ms, gs, 1 - b1)
-            torch._foreach_mul_(vs, b2)
-            torch._foreach_addcmul_(vs, gs, gs, value=1 - b2)
+        for ps, gs, ms, vs in self._chunks(group, params, grads, m_all, v_all):
+            self._update_moments(ms, vs, gs, group["betas"])
             u = torch._foreach_sqrt(vs)  # u = m̂/(√v̂ + ε) + λw, in one temporary per tensor
             torch._foreach_div_(u, math.sqrt(bc2))
             torch._foreach_add_(u, eps)
