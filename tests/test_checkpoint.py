@@ -11,16 +11,11 @@ import shutil
 import pytest
 import torch
 
-from conftest import ROOT, load_weights, read_metrics, run_python, run_train
+from conftest import load_weights, read_metrics, run_python, run_train
 
 K = 3
-HAVE_ZERO = (ROOT / "zerolab" / "strategies" / "zero.py").exists()
 TINY = ["model=gpt_tiny", "data=text", "trainer.eval_every=0", "data.micro_batch=4"]
 
-
-def _needs(strategy):
-    if strategy.startswith("zero") and not HAVE_ZERO:
-        pytest.skip("zerolab/strategies/zero.py is not there yet")
 
 
 @pytest.mark.parametrize("strategy,precision,extra", [
@@ -31,7 +26,6 @@ def _needs(strategy):
     ("zero1", "fp16", ["precision.growth_interval=2", "precision.initial_scale=1024"]),
 ])
 def test_exact_resume_is_bitwise(tmp_path, strategy, precision, extra):
-    _needs(strategy)
     common = [*TINY, f"strategy={strategy}", f"precision.name={precision}", f"trainer.max_steps={2 * K}",
               "optim.warmup_steps=2", *extra]
     a, b = tmp_path / "a", tmp_path / "b"
@@ -193,7 +187,6 @@ def test_pickled_callable_is_refused(tmp_path, ddp_run):
 
 @pytest.mark.parametrize("strategy,ranks", [("ddp", 2), ("zero2", 3)])
 def test_export_matches_live_model_and_is_smaller(tmp_path, strategy, ranks):
-    _needs(strategy)
     run = tmp_path / "run"
     run_train(run, ranks, *TINY, f"strategy={strategy}", "trainer.max_steps=3", "checkpoint.every=3")
     live = load_weights(run)  # the trainer's consolidated weights at the same step

@@ -6,11 +6,10 @@ original run would take". The target resumes from step K with another world size
 shards: gpt_tiny's tensors straddle rank boundaries at 3 ranks) and takes that one step. A
 misplaced optimizer state element would move weights by ~lr, far above the tolerance. The
 global batch (12 sequences) is the same at 2 and 3 ranks, so both take the same data."""
-import os
 
 import pytest
 
-from conftest import ROOT, load_weights, max_rel_diff, run_train
+from conftest import load_weights, max_rel_diff, run_train
 
 K = 3
 COMMON = ["model=gpt_tiny", "model.bias=false", "data=text", f"trainer.max_steps={K + 1}", "trainer.eval_every=0",
@@ -19,7 +18,6 @@ COMMON = ["model=gpt_tiny", "model.bias=false", "data=text", f"trainer.max_steps
 
 def batch(n: int) -> str:
     return f"data.micro_batch={12 // n}"  # global batch 12 at 2 and 3 ranks
-HAVE_ZERO = (ROOT / "zerolab" / "strategies" / "zero.py").exists()
 
 # (source strategy, ranks) -> (target strategy, ranks): every strategy as source and target, both
 # directions, and same-strategy reshards of the sharded ones.
@@ -43,8 +41,6 @@ def sources(tmp_path_factory):
 
 @pytest.mark.parametrize("src,dst", CASES, ids=[f"{a}{n}-to-{b}{m}" for (a, n), (b, m) in CASES])
 def test_reshard_next_step_matches(tmp_path, sources, src, dst):
-    if not HAVE_ZERO and "zero" in src[0] + dst[0]:
-        pytest.skip("zerolab/strategies/zero.py is not there yet")
     source = sources(*src)
     ckpt = source / "checkpoints" / f"step_{K:08d}"
     assert (ckpt / "meta.json").exists()
