@@ -20,7 +20,6 @@ Tolerances:
 """
 import json
 import subprocess
-import sys
 
 import pytest
 from safetensors.torch import load_file
