@@ -53,17 +53,15 @@ class Bucket:
     params: list  # [(param, tensor index in group, offset in bucket)]
     size: int  # padded to a multiple of N
     shard_pos: int  # where this bucket's chunk sits in the rank's group shard
+    world: int  # N: the bucket is N chunks of `chunk` elements
     flat_params: Optional[torch.Tensor] = None  # compute-dtype buffer the params view into
     flat_grads: Optional[torch.Tensor] = None  # zero1: gradient buffer the grads view into
     comm_buf: Optional[torch.Tensor] = None  # zero2: in-flight gradient copy
     arrived: int = 0  # gradients complete in this backward
-    launched: bool = False
 
     @property
     def chunk(self) -> int:
         return self.size // self.world
-
-    world: int = 1
 
 
 @dataclass
@@ -118,7 +116,7 @@ class ZeroStrategy(Strategy):
         self.pending: deque = deque()  # (work, output chunk, bucket) in launch order
         self.next_launch = 0
         self.sync = True
-        for p in self.bucket_of_params():
+        for p in (p for b in self.buckets for p, _, _ in b.params):
             p.register_post_accumulate_grad_hook(self._grad_ready)
         # All-gathers issued after a step finish in the background; a module waits for the
         # buckets of its own parameters just before its forward, so the next forward overlaps them.
@@ -130,9 +128,6 @@ class ZeroStrategy(Strategy):
             if own:
                 module.register_forward_pre_hook(lambda _m, _inp, own=sorted(own): self._wait_gathers(own))
         return model
-
-    def bucket_of_params(self):
-        return [p for b in self.buckets for p, _, _ in b.params]
 
     def _make_buckets(self, model: nn.Module, param_groups: list[dict]) -> list[Bucket]:
         order = {id(p): i for i, p in enumerate(model.parameters())}
@@ -240,7 +235,6 @@ class ZeroStrategy(Strategy):
         self.comm.record("reduce_scatter", buf)
         work = dist.reduce_scatter_single(out, buf, async_op=True)
         self.pending.append((work, out, b, buf))
-        b.launched = True
 
     def _drain(self, block: bool = True) -> None:
         """Collect launched reductions, oldest first, and add each averaged chunk into the fp32
@@ -259,7 +253,7 @@ class ZeroStrategy(Strategy):
             self._launch_ready(flush=True)
             self._drain()
             for b in self.buckets:
-                b.arrived, b.launched = 0, False
+                b.arrived = 0
             self.next_launch = 0
 
     # ---- step -------------------------------------------------------------------------------
