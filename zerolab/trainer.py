@@ -130,7 +130,8 @@ class Trainer:
         every = self.cfg.logging.layer_stats_every
         self.strategy.stats_level = 0 if not logged else 2 if every and (step + 1) % every == 0 else 1
         info = self.strategy.step(lr)
-        return torch.stack(losses).mean().item(), lr, info
+        # The mean loss stays a tensor: reading it (a device sync on CUDA) only on logged steps.
+        return torch.stack(losses).mean(), lr, info
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -168,7 +169,7 @@ class Trainer:
             comm = self.strategy.comm.pop_step()
             last = step + 1 == t.max_steps
             if self.logs_step(step):
-                loss = ctx.all_reduce_mean(local_loss)
+                loss = ctx.all_reduce_mean(local_loss.item())
                 per_rank = ctx.gather_objects(self.rank_figures(comm))
                 record = {"step": step + 1, "loss": loss, "lr": lr, "grad_norm": info.grad_norm,
                           "grad_norm_clipped": info.grad_norm_clipped, "skipped": info.skipped,
