@@ -14,7 +14,6 @@ import socket
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import pytest
@@ -162,27 +161,32 @@ def test_usr1_before_time_limit_writes_timeout(cluster, tmp_path):
     run = tmp_path / "run"
     env = dict(cluster["job_env"], ZEROLAB_LAUNCH="torchrun")
     # Rank 0 hangs before step 1 (after step 0 is logged): the job runs until it is stopped.
-    cmd = ["sbatch", "--wait", "--parsable", f"--output={tmp_path}/slurm-%j.out", str(SBATCH), *TRAIN,
+    # The job's output goes into a FIFO the test reads with blocking reads: the fault's own
+    # message ("... fails before step 1") says training is under way, with no polling.
+    fifo = tmp_path / "job.out"
+    os.mkfifo(fifo)
+    cmd = ["sbatch", "--wait", "--parsable", f"--output={fifo}", str(SBATCH), *TRAIN,
            f"run.dir={run}", "trainer.max_steps=1000", "fault.kill_rank=0", "fault.at_step=1", "fault.mode=hang"]
     sbatch = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    seen = b""
     try:
         job = sbatch.stdout.readline().strip().split(";")[0]
         assert job, sbatch.stderr.read()
-        # Bounded poll (not a fixed sleep) until training has logged its first step.
-        for _ in range(1200):
-            if (run / "metrics.jsonl").exists() and read_metrics(run):
-                break
-            assert sbatch.poll() is None, f"job ended early: {(tmp_path / f'slurm-{job}.out').read_text()}"
-            time.sleep(0.1)
-        else:
-            pytest.fail("training did not start within 120 s")
-        subprocess.run(["scancel", "--signal=USR1", "--batch", job], env=env, check=True, timeout=30)
+        with open(fifo, "rb", buffering=0) as out:  # returns once the job opens its output
+            while b"zerolab fault injection: rank 0 fails before step 1" not in seen:
+                chunk = out.read(4096)
+                assert chunk, f"job ended before its first step: {seen.decode(errors='replace')[-3000:]}"
+                seen += chunk
+            subprocess.run(["scancel", "--signal=USR1", "--batch", job], env=env, check=True, timeout=30)
+            while chunk := out.read(4096):  # until the job closes its output
+                seen += chunk
         sbatch.wait(timeout=120)
     finally:
         if sbatch.poll() is None:
             subprocess.run(["scancel", job], env=env, timeout=30)
             sbatch.kill()
-    log = (tmp_path / f"slurm-{job}.out").read_text()
+    log = seen.decode(errors="replace")
+    assert read_metrics(run), log  # step 0 was logged before the hang
     assert sbatch.returncode != 0, log
     assert (run / "status").read_text().strip() == "timeout", log
 
