@@ -191,6 +191,14 @@ def _plt():
     return plt
 
 
+def _save(plt, fig, path: Path) -> Path:
+    """Every figure ends the same way: tight layout, a PNG at 110 dpi, the figure closed."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def plot_loss(runs: list[Run], out: Path) -> Path:
     plt = _plt()
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
@@ -203,11 +211,7 @@ def plot_loss(runs: list[Run], out: Path) -> Path:
     ax2.set(title="eval loss", xlabel="step", ylabel="loss")
     ax1.legend(fontsize=8)
     ax2.legend(fontsize=8)
-    fig.tight_layout()
-    path = out / "loss.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, out / "loss.png")
 
 
 def plot_loss_diff(runs: list[Run], base: Run, out: Path) -> Path:
@@ -222,11 +226,7 @@ def plot_loss_diff(runs: list[Run], base: Run, out: Path) -> Path:
     ax.axhline(0, color="k", lw=0.6)
     ax.set(title=f"train loss minus {base.label}'s, per step", xlabel="step", ylabel="Δ loss")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    path = out / "loss_diff.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, out / "loss_diff.png")
 
 
 def plot_memory(runs: list[Run], out: Path) -> Path:
@@ -249,11 +249,7 @@ def plot_memory(runs: list[Run], out: Path) -> Path:
     ax.set_xticks(range(len(bars)), [b[0] for b in bars], fontsize=7, rotation=60, ha="right")
     ax.set(title="model states per rank by category (solid: measured, hatched: predicted ledger)", ylabel="MiB")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    path = out / "memory.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, out / "memory.png")
 
 
 def plot_step_time(runs: list[Run], out: Path) -> Path:
@@ -265,11 +261,7 @@ def plot_step_time(runs: list[Run], out: Path) -> Path:
     ax.set_xticks(range(len(runs)), [r.label for r in runs], fontsize=8, rotation=20, ha="right")
     ax.set(title="step time (first step excluded)", ylabel="ms")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    path = out / "step_time.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, out / "step_time.png")
 
 
 def plot_comm(runs: list[Run], out: Path) -> Path:
@@ -283,11 +275,7 @@ def plot_comm(runs: list[Run], out: Path) -> Path:
     ax.set_xticks(range(len(runs)), [r.label for r in runs], fontsize=8, rotation=20, ha="right")
     ax.set(title="bytes sent per rank per step", ylabel="MiB")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    path = out / "comm.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, out / "comm.png")
 
 
 # ---- tables --------------------------------------------------------------------------------
