@@ -1,6 +1,7 @@
 # zerolab: everything installs into a local virtualenv (.venv) created from nothing.
-#   make run    install, then the default job: a short 2-rank CPU run comparing strategies
-#   make test   install, then the whole test suite
+#   make run         install, then the default job: a short 2-rank CPU run comparing strategies
+#   make test        install, then the whole test suite (what CI runs)
+#   make test-fast   install, then the unit tier only (no processes started; under 2 minutes)
 SHELL := /bin/bash
 PYTHON ?= python3
 VENV ?= .venv
@@ -8,7 +9,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: install run test clean slurm-deps
+.PHONY: install run test test-fast clean slurm-deps
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -30,6 +31,10 @@ run: install
 
 test: install slurm-deps
 	$(PY) -m pytest $(ARGS)
+
+# The fast tier: unit and in-process tests, no torchrun, no DeepSpeed (tests/conftest.py: tiers).
+test-fast: install
+	$(PY) -m pytest -m "not slow" $(ARGS)
 
 # The Slurm tests (tests/test_slurm.py) need Debian's slurm-wlm and munge. Installed here when
 # missing and we are root with apt-get (as in CI); a no-op when present. Otherwise, or if apt-get

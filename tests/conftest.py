@@ -13,6 +13,36 @@ ROOT = Path(__file__).resolve().parents[1]
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 
 
+# ---- tiers ------------------------------------------------------------------------------------
+# `make test-fast` runs `pytest -m "not slow"`: unit and in-process tests only. A test that starts
+# any process (torchrun, python, sbatch, g++ through DeepSpeed's op builder) belongs to the slow
+# tier and must say so with @pytest.mark.slow (or a module-level `pytestmark`). The guard below
+# makes a mislabelled test fail in every tier, so the fast tier cannot quietly grow slow.
+_spawn_allowed = True
+_popen_init = subprocess.Popen.__init__
+
+
+def _guarded_popen_init(self, *args, **kwargs):
+    if not _spawn_allowed:
+        raise RuntimeError("this test starts a process but is not marked @pytest.mark.slow; mark it "
+                           "(the fast tier, `make test-fast`, runs in-process tests only)")
+    _popen_init(self, *args, **kwargs)
+
+
+subprocess.Popen.__init__ = _guarded_popen_init
+
+
+def pytest_runtest_setup(item):
+    # Runs before any fixture of the item, module-scoped ones included.
+    global _spawn_allowed
+    _spawn_allowed = item.get_closest_marker("slow") is not None
+
+
+def pytest_runtest_teardown(item, nextitem):
+    global _spawn_allowed
+    _spawn_allowed = True  # fixtures' teardown and collection may spawn freely
+
+
 def base_env(**extra) -> dict:
     env = dict(os.environ)
     env.update({"OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled", "PYTHONUNBUFFERED": "1",

@@ -13,6 +13,8 @@ import torch
 
 from conftest import load_weights, read_metrics, run_python, run_train
 
+pytestmark = pytest.mark.slow  # every test here starts processes (see conftest: tiers)
+
 K = 3
 TINY = ["model=gpt_tiny", "data=text", "trainer.eval_every=0", "data.micro_batch=4"]
 

@@ -8,6 +8,8 @@ import torch
 
 from conftest import load_weights, read_metrics, run_python, run_train
 
+pytestmark = pytest.mark.slow  # every test here starts processes (see conftest: tiers)
+
 pytest.importorskip("deepspeed")
 
 K = 3

@@ -11,6 +11,8 @@ import pytest
 
 from conftest import load_weights, max_rel_diff, run_train
 
+pytestmark = pytest.mark.slow  # every test here starts processes (see conftest: tiers)
+
 K = 3
 COMMON = ["model=gpt_tiny", "model.bias=false", "data=text", f"trainer.max_steps={K + 1}", "trainer.eval_every=0",
           "optim.warmup_steps=2"]

@@ -16,6 +16,7 @@ from zerolab.config import ConfigError, compose
     ("model.n_head=3", "model.n_embd=64 must be divisible by model.n_head=3"),
     ("data.global_batch=12", "data.global_batch=12 is not divisible by data.micro_batch"),
 ])
+@pytest.mark.slow
 def test_bad_config_exits_2_before_process_group(tmp_path, override, expected):
     proc = run_python("train.py", f"run.dir={tmp_path / 'run'}", "logging.wandb.mode=disabled", override,
                       check=False, env={"WORLD_SIZE": "1"} if "global_batch" not in override else {})

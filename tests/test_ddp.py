@@ -8,6 +8,8 @@ import pytest
 
 from conftest import load_weights, max_rel_diff, read_metrics, run_train
 
+pytestmark = pytest.mark.slow  # every test here starts processes (see conftest: tiers)
+
 COMMON = ["model=gpt_tiny", "model.bias=false", "data=text", "trainer.max_steps=10", "trainer.eval_every=0", "optim.grad_clip=1.0"]
 
 

@@ -13,6 +13,8 @@ import torch
 
 from conftest import ROOT, TORCHRUN, base_env, load_weights, read_metrics, run_train
 
+pytestmark = pytest.mark.slow  # every test here starts processes (see conftest: tiers)
+
 COMMON = ["model=gpt_tiny", "data=text", "trainer.eval_every=0", "data.micro_batch=4", "trainer.max_steps=7",
           "model.dropout=0.1", "logging.wandb.mode=disabled", "logging.progress=false"]
 

@@ -11,6 +11,8 @@ import pytest
 
 from conftest import ROOT, TORCHRUN, base_env, load_weights, max_rel_diff, read_metrics, run_train
 
+pytestmark = pytest.mark.slow  # every test here starts processes (see conftest: tiers)
+
 TRAIN = ["model=gpt_tiny", "model.bias=false", "data=text", "data.micro_batch=4", "trainer.max_steps=6",
          "trainer.eval_every=0", "logging.wandb.mode=disabled", "logging.progress=false"]
 

@@ -145,6 +145,7 @@ def test_check_against_warns_naming_the_category(caplog):
     assert "grads" in caplog.text
 
 
+@pytest.mark.slow
 def test_cli_7b_worked_example():
     out = run_python("-m", "zerolab", "memory", "--params", "7e9", "--world", "1", "--strategy", "ddp",
                      "--precision", "bf16", "--optim", "adamw").stdout
@@ -154,6 +155,7 @@ def test_cli_7b_worked_example():
     assert data["bytes"]["model_states"] == 112 * 10 ** 9 and data["state_elements_per_param"] == 2
 
 
+@pytest.mark.slow
 def test_cli_sweep_writes_plot(tmp_path):
     png = tmp_path / "sweep.png"
     proc = run_python("-m", "zerolab", "memory", "--model", "gpt_tiny", "--sweep-world", "1,2,4,8",
@@ -166,6 +168,7 @@ def test_cli_sweep_writes_plot(tmp_path):
         assert all(a >= b for a, b in zip(values, values[1:])), label  # per-rank bytes never grow with N
 
 
+@pytest.mark.slow
 def test_cli_errors_are_clear():
     proc = run_python("-m", "zerolab", "memory", "--params", "7e9", "--strategy", "deepspeed", check=False)
     assert proc.returncode == 2 and "--stage 1, 2 or 3" in proc.stderr

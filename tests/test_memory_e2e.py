@@ -6,6 +6,8 @@ import pytest
 
 from conftest import read_metrics, run_train
 
+pytestmark = pytest.mark.slow  # every test here starts processes (see conftest: tiers)
+
 COMMON = ["model=gpt_tiny", "trainer.max_steps=1", "trainer.eval_every=0", "trainer.eval_batches=1",
           "data.micro_batch=2"]
 MODEL_STATES = ("params", "grads", "master", "optim_state")

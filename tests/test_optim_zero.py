@@ -10,6 +10,8 @@ from conftest import load_weights, max_rel_diff, read_metrics, run_train
 from zerolab.config import compose
 from zerolab.models import build_model
 
+pytestmark = pytest.mark.slow  # every test here starts processes (see conftest: tiers)
+
 COMMON = ["model=gpt_tiny", "model.bias=false", "data=text", "trainer.max_steps=10", "trainer.eval_every=0",
           "optim=lamb", "precision=fp32", "logging.layer_stats_every=5", "trainer.log_every=5"]
 

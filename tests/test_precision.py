@@ -79,6 +79,7 @@ finally:
 """
 
 
+@pytest.mark.slow
 def test_fp16_injected_inf_skips_that_step_on_every_rank(tmp_path):
     script = tmp_path / "per_rank.py"
     script.write_text(PER_RANK)
@@ -101,6 +102,7 @@ def test_fp16_injected_inf_skips_that_step_on_every_rank(tmp_path):
         assert torch.isfinite(r0[k]).all(), k
 
 
+@pytest.mark.slow
 def test_nonfinite_gradient_stop_names_step_and_tensor(tmp_path):
     proc = run_train(tmp_path / "stop", 2, *COMMON, "precision=fp32", "trainer.max_steps=4",
                      "fault.inf_grad_step=2", check=False)
@@ -109,6 +111,7 @@ def test_nonfinite_gradient_stop_names_step_and_tensor(tmp_path):
     assert "NonFiniteGradient" in err and "step 2 (0-based" in err and "first non-finite gradient: wte.weight" in err
 
 
+@pytest.mark.slow
 def test_nonfinite_gradient_skip_continues(tmp_path):
     run = tmp_path / "skip"
     proc = run_train(run, 2, *COMMON, "precision=bf16", "trainer.max_steps=4", "trainer.nonfinite=skip",
@@ -117,6 +120,7 @@ def test_nonfinite_gradient_skip_continues(tmp_path):
     assert "skipping the update (trainer.nonfinite=skip)" in proc.stdout + proc.stderr
 
 
+@pytest.mark.slow
 def test_bf16_pure_stalls_where_master_weights_keep_improving(tmp_path):
     """A small constant lr (1e-5): AdamW's updates (~lr per element) are below half of bf16's
     spacing for most weights (~6e-5 at 0.02), so without a master copy they round away."""

@@ -13,6 +13,8 @@ import torch
 
 from conftest import load_weights, max_rel_diff, read_metrics, run_python, run_train
 
+pytestmark = pytest.mark.slow  # every test here starts processes (see conftest: tiers)
+
 COMMON = ["model=gpt_tiny", "model.bias=false", "trainer.max_steps=10", "trainer.eval_every=0"]
 TOL_FP32 = 1e-5
 

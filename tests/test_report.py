@@ -6,6 +6,8 @@ import pytest
 
 from conftest import run_python, run_train
 
+pytestmark = pytest.mark.slow  # every test here starts processes (see conftest: tiers)
+
 COMMON = ["model=gpt_tiny", "model.bias=false", "trainer.max_steps=6", "trainer.eval_every=3", "data.micro_batch=4"]
 
 

@@ -81,6 +81,7 @@ def test_large_batch_lamb_experiment():
     assert peak == pytest.approx(4e-3 * math.sqrt(256 / 32))
 
 
+@pytest.mark.slow
 def test_resume_on_fewer_ranks_rescales_lr_and_says_so(tmp_path):
     """2 ranks × 4 sequences (batch 8), linear rule with lr tuned at the run's own batch; resumed
     on 1 rank (batch 4) the peak lr halves, and the log line says why."""

@@ -20,6 +20,8 @@ import pytest
 
 from conftest import ROOT, base_env, load_weights, max_rel_diff, read_metrics
 
+pytestmark = pytest.mark.slow  # every test here starts processes (see conftest: tiers)
+
 LOCAL_SLURM = ROOT / "launch" / "local_slurm.sh"
 SBATCH = ROOT / "launch" / "slurm.sbatch"
 TRAIN = ["model=gpt_tiny", "model.bias=false", "data=text", "trainer.max_steps=5", "trainer.eval_every=0",

@@ -3,6 +3,9 @@
 import json
 
 from conftest import ROOT, run_python
+import pytest
+
+pytestmark = pytest.mark.slow  # every test here starts processes (see conftest: tiers)
 
 
 def test_compare_sweep_runs_each_job_under_torchrun(tmp_path):

@@ -26,6 +26,8 @@ from safetensors.torch import load_file
 
 from conftest import ROOT, TORCHRUN, base_env, max_rel_diff, rel_l2_diff
 
+pytestmark = pytest.mark.slow  # every test here starts processes (see conftest: tiers)
+
 CASES = {
     1: ["mlp:2:fp32:used"],
     2: ["gpt_tiny:1:fp32:used", "gpt_tiny:4:fp32:used", "mlp:1:fp32:unused", "mlp:4:fp32:used",

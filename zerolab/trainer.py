@@ -99,9 +99,15 @@ class Trainer:
                      cfg.data.micro_batch, t.grad_accum_steps, ctx.world_size, self.schedule.peak_lr)
 
     # ---- one optimizer step ----------------------------------------------------------------
+    def evals_step(self, step: int) -> bool:
+        t = self.cfg.trainer
+        return bool(t.eval_every and (step + 1) % t.eval_every == 0) or step + 1 == t.max_steps
+
     def logs_step(self, step: int) -> bool:
+        # An eval step is always a logged step: its eval_loss needs a record to land in, whatever
+        # trainer.log_every says (eval_every need not be a multiple of log_every).
         t, every = self.cfg.trainer, self.cfg.logging.layer_stats_every
-        return ((step + 1) % t.log_every == 0 or step == self.start_step or step + 1 == t.max_steps
+        return ((step + 1) % t.log_every == 0 or step == self.start_step or self.evals_step(step)
                 or bool(every and (step + 1) % every == 0))
 
     def _inject_inf(self, step: int) -> bool:
@@ -167,7 +173,6 @@ class Trainer:
             dt = time.perf_counter() - t0
             step_times.append(dt)
             comm = self.strategy.comm.pop_step()
-            last = step + 1 == t.max_steps
             if self.logs_step(step):
                 loss = ctx.all_reduce_mean(local_loss.item())
                 per_rank = ctx.gather_objects(self.rank_figures(comm))
@@ -185,7 +190,7 @@ class Trainer:
                 if not self.mem_check and not info.skipped:  # first real update: optimizer state exists
                     pred_keys, self.mem_check = check_against(self.mem_pred, per_rank, warn=ctx.is_main)
                     record.update(pred_keys)
-                if (t.eval_every and (step + 1) % t.eval_every == 0) or last:
+                if self.evals_step(step):
                     eval_loss = record["eval_loss"] = self.evaluate()
                 self.metrics.log(record)
                 bar.set_postfix(loss=f"{loss:.4f}", step_s=f"{dt:.3f}")
