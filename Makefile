@@ -18,6 +18,9 @@ $(STAMP): pyproject.toml Makefile
 	# DeepSpeed ships as source and its build imports torch: build it against the torch above.
 	$(PY) -m pip install --quiet --no-build-isolation deepspeed==0.19.8
 	$(PY) -m pip install --quiet --no-build-isolation -e '.[dev]'
+	# DeepSpeed's CPU ops compiled now, into $(VENV)/torch_extensions, so no run or test waits on
+	# a first-use compile (zerolab/ds_ops.py). Minutes on 2 cores, once.
+	$(PY) -m zerolab.ds_ops build
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -51,11 +52,73 @@ def base_env(**extra) -> dict:
     return env
 
 
+@pytest.fixture(scope="session")
+def deepspeed_ops():
+    """DeepSpeed tests need its CPU ops built at install (zerolab/ds_ops.py): a first-use compile
+    inside a test would take minutes, or wait forever behind a stale build lock. Skip with the
+    reason instead."""
+    pytest.importorskip("deepspeed")
+    from zerolab import ds_ops
+
+    reason = ds_ops.missing_reason()
+    if reason:
+        pytest.skip(reason)
+
+
+# ---- a corpus that is the same on every machine ----------------------------------------------
+# zerolab's embedded corpus is the running interpreter's standard library, which differs between
+# Python builds: a numeric bound checked on it would be checked on different text on each machine.
+# Tests train on this one instead: sentences drawn from a fixed word list by splitmix64, a PRNG in
+# plain integer arithmetic, so the bytes depend on nothing but this code.
+_WORDS = ("the of and to in is that for it as was with be by on not he this are or his from at which "
+          "but have an they you were her she there been one all we their has would when if so no will "
+          "model rank shard gradient weight step batch memory optimizer state loss layer tensor bucket "
+          "reduce gather scatter sum mean norm scale update master copy byte token window seed order").split()
+CORPUS_BYTES = 1 << 20  # 1 MiB: ~16k windows of 64 tokens, far more than any test reads
+
+
+def _splitmix64(state: int):
+    while True:
+        state = (state + 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
+        z = state
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+        yield z ^ (z >> 31)
+
+
+def fixed_corpus() -> Path:
+    """The generated test corpus as a zerolab token file (uint16 bytes), written once per machine."""
+    import numpy as np
+
+    path = Path(tempfile.gettempdir()) / "zerolab-test-corpus-v1.bin"
+    if path.exists() and path.stat().st_size == 2 * CORPUS_BYTES:
+        return path
+    rng, out, size = _splitmix64(20261130), [], 0
+    while size < CORPUS_BYTES:
+        n = 4 + next(rng) % 12
+        words = [_WORDS[next(rng) % len(_WORDS)] for _ in range(n)]
+        sentence = (" ".join(words).capitalize() + (". ", "? ", ".\n")[next(rng) % 3]).encode()
+        out.append(sentence)
+        size += len(sentence)
+    data = np.frombuffer(b"".join(out)[:CORPUS_BYTES], dtype=np.uint8).astype(np.uint16)
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    data.tofile(tmp)
+    os.replace(tmp, path)  # atomic: parallel test processes see the whole file or none
+    return path
+
+
+def corpus_override(overrides) -> list[str]:
+    """`data.path=<fixed corpus>` unless the caller chose a data file itself."""
+    return [] if any(o.startswith("data.path=") for o in overrides) else [f"data.path={fixed_corpus()}"]
+
+
 def run_train(run_dir: Path, nproc: int, *overrides: str, check: bool = True, env: dict | None = None,
               timeout: float = 300) -> subprocess.CompletedProcess:
-    """torchrun train.py with 'nproc' ranks into run_dir; fails the test with the output on error."""
+    """torchrun train.py with 'nproc' ranks into run_dir, on the fixed test corpus (for data=text);
+    fails the test with the output on error."""
     cmd = [*TORCHRUN, "--standalone", f"--nproc_per_node={nproc}", str(ROOT / "train.py"),
-           f"run.dir={run_dir}", "logging.wandb.mode=disabled", "logging.progress=false", *overrides]
+           f"run.dir={run_dir}", "logging.wandb.mode=disabled", "logging.progress=false",
+           *corpus_override(overrides), *overrides]
     proc = subprocess.run(cmd, cwd=ROOT, env=base_env(**(env or {})), capture_output=True, text=True,
                           timeout=timeout)
     if check and proc.returncode != 0:

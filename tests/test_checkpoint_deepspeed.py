@@ -18,7 +18,7 @@ COMMON = ["model=gpt_tiny", "data=text", "trainer.eval_every=0", "data.micro_bat
 DS = ["strategy=deepspeed", "strategy.stage=2"]
 
 
-def test_deepspeed_resume_export_import(tmp_path):
+def test_deepspeed_resume_export_import(tmp_path, deepspeed_ops):
     a, b = tmp_path / "a", tmp_path / "b"
     run_train(a, 2, *COMMON, *DS, f"checkpoint.every={K}")
     step_k = a / "checkpoints" / f"step_{K:08d}"

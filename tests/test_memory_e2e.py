@@ -54,9 +54,11 @@ def test_padding_three_ranks_small_buckets(tmp_path):
 
 
 @pytest.mark.parametrize("strategy", ["strategy=deepspeed strategy.stage=2", "strategy=fsdp", "strategy=torch_zero"])
-def test_reference_strategies_match_per_category(tmp_path, strategy):
+def test_reference_strategies_match_per_category(tmp_path, strategy, request):
     """DeepSpeed (gradients of the tensors overlapping each rank's partition), FSDP2 (dim-0
     shards) and torch's ZeroRedundancyOptimizer (uneven whole-tensor shards): per rank, per category."""
+    if "deepspeed" in strategy:
+        request.getfixturevalue("deepspeed_ops")  # skips, saying why, when its ops are not built
     run = tmp_path / "run"
     run_train(run, 2, *COMMON, *strategy.split(), "precision=bf16")
     first, _ = check_run(run, 2)

@@ -3,20 +3,23 @@
 One torchrun launch per world size trains the same 20-step job under ddp, zero1 and zero2 for a
 matrix of cases (tests/workers/zero_parity.py) and the tests read what it wrote.
 
-Tolerances:
-  fp32  1e-6 relative, per tensor ‖Δ‖₂/‖w‖₂. The strategies sum the same numbers in a different
-        order (bucketed reduce-scatter vs all-reduce, partial sums of squares for the clip norm,
-        and zero2 with accumulation reduces each micro-batch before summing them where DDP sums
-        first); fp32 rounding (6e-8) amplified by Adam over 20 steps stays well below 1e-6 for
-        every tensor as a whole. Elementwise, the few elements with a near-zero gradient can
-        differ by up to ~1e-5 of the tensor's largest weight after 20 steps, because Adam scales
-        any gradient, even rounding noise, to an lr-sized step; elementwise is checked at 3e-5.
+Tolerances (per tensor ‖Δ‖₂/‖w‖₂, the largest over tensors):
+  fp32  1e-6. The strategies sum the same numbers in a different order (bucketed reduce-scatter
+        vs all-reduce, partial sums of squares for the clip norm, and zero2 with accumulation
+        reduces each micro-batch before summing them where DDP sums first). Measured on the
+        generated test corpus over the 16 fp32 cases: 6e-8 to 1e-7, i.e. fp32 rounding (6e-8)
+        barely amplified; the bound is 10x the largest. The elementwise maximum is not checked:
+        an element whose gradient is ~0 gets lr-sized steps from Adam's normalisation of rounding
+        noise, so it depends on summation order (1e-6 here, 1e-5 on the interpreter's corpus).
   bf16  A 1-ulp difference in an fp32 master can round the bf16 weight the other way (bf16 ulp
         is 2^-8 ≈ 0.4%), and the next forward then differs by that much, so bf16 runs of any
-        two strategies diverge at bf16's noise level, not fp32's. The stated check: ZeRO's fp32
-        master weights are no farther from the fp32 reference run than DDP-bf16's master
-        weights are (×1.25), and within 1e-3 of DDP-bf16 on 2 ranks without accumulation,
-        where both sum the same two bf16 numbers.
+        two strategies diverge at bf16's noise level, not fp32's. Two checks:
+        - ZeRO's fp32 master is no farther from the fp32 reference run than DDP-bf16's master,
+          within 1.5x: both are realisations of the same bf16 rounding noise; over 8 cases the
+          ratio was 0.95-1.01 here. An implementation error (a master kept in bf16, a wrong
+          scale or shard) moves it many times farther.
+        - On 2 ranks without accumulation, where both sum the same two bf16 numbers, ZeRO stays
+          within one bf16 ulp (2^-8) of DDP-bf16: measured 3.5e-4, 11x below.
 """
 import json
 import subprocess
@@ -24,10 +27,11 @@ import subprocess
 import pytest
 from safetensors.torch import load_file
 
-from conftest import ROOT, TORCHRUN, base_env, max_rel_diff, rel_l2_diff
+from conftest import ROOT, TORCHRUN, base_env, fixed_corpus, rel_l2_diff
 
 pytestmark = pytest.mark.slow  # every test here starts processes (see conftest: tiers)
 
+FP32_TOL = 1e-6  # see the module docstring
 CASES = {
     1: ["mlp:2:fp32:used"],
     2: ["gpt_tiny:1:fp32:used", "gpt_tiny:4:fp32:used", "mlp:1:fp32:unused", "mlp:4:fp32:used",
@@ -36,12 +40,32 @@ CASES = {
 }
 
 
-@pytest.fixture(scope="module", params=sorted(CASES))
+def fp32(c): return ":fp32:" in c
+def bf16(c): return ":bf16:" in c
+def unused(c): return c.endswith(":unused")
+def accumulates(c): return c.split(":")[1] != "1"
+def anything(c): return True
+
+
+def worlds_with(kind) -> list[int]:
+    """The world sizes that have a case of this kind: no test is parametrised over a world where it
+    would check nothing."""
+    return [n for n in sorted(CASES) if any(kind(c) for c in CASES[n])]
+
+
+def cases(n: int, kind) -> list[str]:
+    found = [c for c in CASES[n] if kind(c)]
+    assert found, f"no case of this kind at {n} ranks"
+    return found
+
+
+@pytest.fixture(scope="module")
 def world(request, tmp_path_factory):
+    """One torchrun launch of the worker per world size (module-scoped: shared by every test)."""
     n = request.param
     out = tmp_path_factory.mktemp(f"zero_w{n}")
     cmd = [*TORCHRUN, "--standalone", f"--nproc_per_node={n}", str(ROOT / "tests/workers/zero_parity.py"),
-           str(out), "20", ",".join(CASES[n])]
+           str(out), "20", ",".join(CASES[n]), str(fixed_corpus())]
     proc = subprocess.run(cmd, cwd=ROOT, env=base_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-6000:]
     results = json.loads((out / "results.json").read_text())
@@ -56,9 +80,10 @@ def drop_unused(w):
     return {k: v for k, v in w.items() if not k.startswith("unused.")}
 
 
+@pytest.mark.parametrize("world", worlds_with(fp32), indirect=True)
 def test_fp32_parameters_equal_ddp(world):
     n, out, _ = world
-    for case in (c for c in CASES[n] if ":fp32:" in c):
+    for case in cases(n, fp32):
         ddp = weights(out, case, "ddp")
         for strategy in ("zero1", "zero2"):
             zero = weights(out, case, strategy)
@@ -70,13 +95,13 @@ def test_fp32_parameters_equal_ddp(world):
             else:
                 ddp_cmp = ddp
             diff = rel_l2_diff(zero, ddp_cmp)
-            assert diff < 1e-6, f"{strategy} vs ddp, {n} ranks, {case}: {diff:.3g}"
-            assert max_rel_diff(zero, ddp_cmp) < 3e-5  # elementwise: see the module docstring
+            assert diff < FP32_TOL, f"{strategy} vs ddp, {n} ranks, {case}: {diff:.3g}"
 
 
+@pytest.mark.parametrize("world", worlds_with(unused), indirect=True)
 def test_unused_parameter_completes_and_only_decays(world):
     n, out, _ = world
-    for case in (c for c in CASES[n] if c.endswith(":unused")):
+    for case in cases(n, unused):
         ddp = weights(out, case, "ddp")
         for strategy in ("zero1", "zero2"):
             w = weights(out, case, strategy)["unused.weight"]
@@ -86,23 +111,25 @@ def test_unused_parameter_completes_and_only_decays(world):
             assert ratio.max() - ratio.min() < 1e-5 and 0.9 < ratio.mean() < 1.0
 
 
+@pytest.mark.parametrize("world", worlds_with(bf16), indirect=True)
 def test_bf16_master_weights_match_ddp_at_bf16_noise(world):
     n, out, _ = world
-    for case in (c for c in CASES[n] if ":bf16:" in c):
+    for case in cases(n, bf16):
         ref_case = case.replace(":bf16:", ":fp32:")
-        if ref_case not in CASES[n]:
-            continue
+        assert ref_case in CASES[n], f"{case} needs its fp32 reference case {ref_case}"
         truth = weights(out, ref_case, "ddp")
         ddp = weights(out, case, "ddp")
-        ddp_err = max_rel_diff(ddp, truth)
+        ddp_err = rel_l2_diff(ddp, truth)
+        assert ddp_err > FP32_TOL  # bf16 really ran (else the comparison below says nothing)
         for strategy in ("zero1", "zero2"):
             zero = weights(out, case, strategy)
-            zero_err = max_rel_diff(zero, truth)
-            assert zero_err <= 1.25 * ddp_err, f"{strategy} bf16 {case}: {zero_err:.3g} vs ddp {ddp_err:.3g}"
-            if n == 2 and case.startswith("gpt_tiny:1:"):
-                assert max_rel_diff(zero, ddp) < 1e-3
+            zero_err = rel_l2_diff(zero, truth)
+            assert zero_err <= 1.5 * ddp_err, f"{strategy} bf16 {case}: {zero_err:.3g} vs ddp {ddp_err:.3g}"
+            if case.split(":")[1] == "1" and n == 2:
+                assert rel_l2_diff(zero, ddp) < 2 ** -8, f"{strategy} bf16 {case} vs ddp-bf16"
 
 
+@pytest.mark.parametrize("world", worlds_with(anything), indirect=True)
 def test_optimizer_memory_is_one_nth_of_ddp(world):
     """Per rank: Adam's m and v (8 B/param) and the fp32 master (4 B/param) are 1/N of the
     whole, up to padding (< N elements per bucket); zero2 keeps only an fp32 gradient shard."""
@@ -127,21 +154,23 @@ def test_optimizer_memory_is_one_nth_of_ddp(world):
                     assert mem["grads"] >= ddp["grads"] + 4 * psi / n
 
 
+@pytest.mark.parametrize("world", worlds_with(anything), indirect=True)
 def test_comm_bytes_equal_ddp(world):
     n, out, results = world
     if n == 1:
         assert all(c == 0 for c in results[f"{CASES[1][0]}/zero2"]["per_rank"][0]["comm"])
         return
-    for case in (c for c in CASES[n] if c.split(":")[1] == "1"):
+    for case in cases(n, lambda c: not accumulates(c)):
         ddp = results[f"{case}/ddp"]["per_rank"][0]["comm"][-1]
         for strategy in ("zero1", "zero2"):
             for rank in results[f"{case}/{strategy}"]["per_rank"]:
                 assert abs(rank["comm"][-1] / ddp - 1) < 0.01, (strategy, case, rank["comm"][-1], ddp)
 
 
+@pytest.mark.parametrize("world", [n for n in worlds_with(accumulates) if n > 1], indirect=True)
 def test_zero2_accumulation_communicates_every_micro_batch(world):
     n, out, results = world
-    for case in (c for c in CASES[n] if c.split(":")[1] == "4" and n > 1):
+    for case in cases(n, accumulates):
         ddp = results[f"{case}/ddp"]["per_rank"][0]["comm"][-1]
         z1 = results[f"{case}/zero1"]["per_rank"][0]["comm"][-1]
         z2 = results[f"{case}/zero2"]["per_rank"][0]["comm"][-1]

@@ -19,26 +19,39 @@ def _data(argv: list[str]) -> int:
     return 0
 
 
-# Each command lives with the code it serves: "module:function(argv) -> exit code".
+# Each command lives with the code it serves: "module:function(argv) -> exit code", and a line
+# for `python -m zerolab --help`.
 COMMANDS = {
-    "data": "zerolab.__main__:_data",
-    "lr": "zerolab.optim.cli:lr_main",
-    "optim-state": "zerolab.optim.cli:optim_state_main",
-    "memory": "zerolab.memory:cli_main",
-    "compare": "zerolab.report:cli_main",
-    "sweep": "zerolab.sweep:cli_main",
-    "export": "zerolab.checkpoint:export_main",
+    "data": ("zerolab.__main__:_data", "prepare a byte-level token file from text files (data prepare --src ... --out ...)"),
+    "lr": ("zerolab.optim.cli:lr_main", "the peak learning rate a batch-size scaling rule gives"),
+    "optim-state": ("zerolab.optim.cli:optim_state_main", "state elements per parameter each optimizer keeps, measured"),
+    "memory": ("zerolab.memory:cli_main", "predicted bytes per rank by category, for any model, strategy and world size"),
+    "compare": ("zerolab.report:cli_main", "compare run or sweep directories: tables, parity, figures"),
+    "export": ("zerolab.checkpoint:export_main", "consolidated safetensors weights from a (sharded) checkpoint"),
 }
+
+
+def usage() -> str:
+    width = max(map(len, COMMANDS))
+    lines = ["usage: python -m zerolab COMMAND [ARGS...]   (python -m zerolab COMMAND --help for its options)",
+             "", "commands:"]
+    lines += [f"  {name:<{width}}  {about}" for name, (_, about) in COMMANDS.items()]
+    lines += ["", "Training itself: python train.py [key=value ...] (python train.py --help lists the config groups)"]
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] in (["-h"], ["--help"], ["help"]):
+        print(usage())
+        return 0
     if not argv or argv[0] not in COMMANDS:
-        print(f"usage: python -m zerolab {{{','.join(sorted(COMMANDS))}}} ...", file=sys.stderr)
+        problem = "no command given" if not argv else f"unknown command {argv[0]!r}"
+        print(f"zerolab: {problem}\n\n{usage()}", file=sys.stderr)
         return 2
     import importlib
 
-    module, func = COMMANDS[argv[0]].split(":")
+    module, func = COMMANDS[argv[0]][0].split(":")
     return getattr(importlib.import_module(module), func)(argv[1:])
 
 

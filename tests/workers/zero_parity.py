@@ -27,7 +27,7 @@ class WithUnusedBranch(nn.Module):
         return self.inner(idx)
 
 
-def main(out_dir: str, steps: int, cases: list[str]) -> None:
+def main(out_dir: str, steps: int, cases: list[str], corpus: str) -> None:
     os.environ.setdefault("WANDB_MODE", "disabled")
     ctx = zdist.init(compose([]).dist)
     results = {}
@@ -41,6 +41,7 @@ def main(out_dir: str, steps: int, cases: list[str]) -> None:
                          f"trainer.max_steps={steps}", "trainer.eval_every=0", "optim.grad_clip=0.5",
                          "optim.warmup_steps=2", "logging.wandb.mode=disabled", "logging.progress=false",
                          "run.save_model=false", "strategy.bucket_mb=0.05",  # several buckets
+                         f"data.path={corpus}",  # the fixed test corpus (tests/conftest.py)
                          f"run.dir={out_dir}/runs/{case.replace(':', '_')}_{strategy}"]
             if model_name == "gpt_tiny":
                 overrides.append("model.bias=false")  # see tests/test_ddp.py: the key bias has no gradient
@@ -68,4 +69,4 @@ def main(out_dir: str, steps: int, cases: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]), sys.argv[3].split(","))
+    main(sys.argv[1], int(sys.argv[2]), sys.argv[3].split(","), sys.argv[4])

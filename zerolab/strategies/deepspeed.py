@@ -36,6 +36,9 @@ log = logging.getLogger(__name__)
 
 def import_deepspeed():
     """DeepSpeed, or an error that says how to install it (a broken install fails on import)."""
+    from zerolab import ds_ops
+
+    ds_ops.use_prebuilt()  # the ops `make install` built, not a first-use compile
     try:
         import deepspeed
         from deepspeed.utils import safe_get_full_fp32_param  # noqa: F401  (used below)

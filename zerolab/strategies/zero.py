@@ -113,7 +113,10 @@ class ZeroStrategy(Strategy):
              "segments": fg.segments, "n_tensors": len(g["params"]), "names": g["names"],
              "allreduce": self._allreduce}
             for g, fg in zip(param_groups, self.groups)])
-        self.pending: deque = deque()  # (work, output chunk, bucket) in launch order
+        # Reduce-scatters in flight, in launch order: (work, output chunk, bucket, send buffer).
+        # The send buffer must stay referenced until the work completes: an asynchronous
+        # collective reads it in the background, and zero2's comm_buf is otherwise dropped.
+        self.pending: deque = deque()
         self.next_launch = 0
         self.sync = True
         for p in (p for b in self.buckets for p, _, _ in b.params):
@@ -124,7 +127,10 @@ class ZeroStrategy(Strategy):
         self.gathers: dict[int, tuple] = {}  # bucket index -> (work, input chunk)
         self.bucket_index = {id(b): i for i, b in enumerate(self.buckets)}
         for module in model.modules():
-            own = {self.bucket_index[id(self.bucket_of[id(p)])] for p in module.parameters(recurse=False)}
+            # Frozen parameters (requires_grad=False) are in no param group, hence in no bucket:
+            # they stay ordinary tensors, identical on every rank after the broadcast above.
+            own = {self.bucket_index[id(self.bucket_of[id(p)])] for p in module.parameters(recurse=False)
+                   if id(p) in self.bucket_of}
             if own:
                 module.register_forward_pre_hook(lambda _m, _inp, own=sorted(own): self._wait_gathers(own))
         return model
