@@ -141,10 +141,47 @@ def test_nonfinite_gradient_stop_names_step_and_tensor(tmp_path):
 @pytest.mark.slow
 def test_nonfinite_gradient_skip_continues(tmp_path):
     run = tmp_path / "skip"
+    # 1 of 4 skipped is a share of 0.25: at the limit, not above it, so the run succeeds
     proc = run_train(run, 2, *COMMON, "precision=bf16", "trainer.max_steps=4", "trainer.nonfinite=skip",
-                     "fault.inf_grad_step=1")
+                     "fault.inf_grad_step=1", "trainer.max_skipped_share=0.25")
     assert [r["skipped"] for r in read_metrics(run)] == [False, True, False, False]
     assert "skipping the update (trainer.nonfinite=skip)" in proc.stdout + proc.stderr
+    summary = json.loads((run / "summary.json").read_text())
+    assert (summary["skipped_steps"], summary["applied_steps"], summary["steps_run"]) == (1, 3, 4)
+    assert "error" not in summary
+
+
+@pytest.mark.slow
+def test_fp16_run_that_never_updated_fails_loudly(tmp_path):
+    """A loss scale of 1e30 overflows fp16 at every step (halving 3 times leaves 1.25e29): no
+    update lands. The run still writes summary.json, then exits non-zero saying why."""
+    run = tmp_path / "never"
+    proc = run_train(run, 2, *COMMON, "strategy=zero2", "precision=fp16", "precision.initial_scale=1e30",
+                     "trainer.max_steps=3", check=False)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out[-3000:]
+    assert "no update was applied: all 3 steps of this run" in out and "precision.initial_scale" in out
+    summary = json.loads((run / "summary.json").read_text())
+    assert (summary["skipped_steps"], summary["applied_steps"]) == (3, 0)
+    assert summary["error"].startswith("no update was applied")
+
+
+def test_skipped_share_limit_is_named():
+    """Above trainer.max_skipped_share (but not all skipped) the message names the share and the key."""
+    from types import SimpleNamespace
+
+    from zerolab.config import compose
+    from zerolab.precision import Precision
+    from zerolab.trainer import Trainer
+
+    cfg = compose(["precision=bf16", "trainer.max_steps=10"])
+    fake = SimpleNamespace(cfg=cfg, precision=Precision.from_config(cfg.precision), start_step=0)
+    assert Trainer.skipped_error(fake, 5, 10) is None  # 0.5 is the default limit: at it, not above
+    msg = Trainer.skipped_error(fake, 6, 10)
+    assert "6 of 10 steps (60%)" in msg and "trainer.max_skipped_share=0.5" in msg
+    assert Trainer.skipped_error(fake, 10, 10).startswith("no update was applied: all 10 steps")
+    cfg.trainer.max_skipped_share = 1.0
+    assert Trainer.skipped_error(fake, 9, 10) is None and Trainer.skipped_error(fake, 10, 10)
 
 
 @pytest.mark.slow

@@ -9,6 +9,7 @@ import json
 import logging
 import math
 import os
+import sys
 from typing import Optional
 
 from zerolab.config import LoggingConfig
@@ -59,6 +60,38 @@ class MetricsSink:
             if summary:
                 self.wandb.summary.update({k: v for k, v in summary.items() if not isinstance(v, (dict, list))})
             self.wandb.finish()
+
+
+class Progress:
+    """What the training loop shows as it goes (rank 0, logging.progress=true): a tqdm bar when
+    stdout and stderr are terminals; otherwise (output redirected to a file or a pipe, Slurm)
+    one plain log line per logged step, since a bar's carriage returns would make one endless
+    line there."""
+
+    def __init__(self, enabled: bool, total: int, initial: int, desc: str):
+        self.total, self.bar, self.lines = total, None, False
+        if enabled and sys.stdout.isatty() and sys.stderr.isatty():
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, initial=initial, dynamic_ncols=True, desc=desc)
+        else:
+            self.lines = enabled
+
+    def logged(self, step: int, loss: float, step_s: float, lr: float, skipped: bool = False) -> None:
+        """A logged step (1-based `step`, as in metrics.jsonl)."""
+        if self.bar is not None:
+            self.bar.set_postfix(loss=f"{loss:.4f}", step_s=f"{step_s:.3f}")
+        elif self.lines:
+            log.info("step %d/%d | loss %.4f | step %.3f s | lr %.3g%s", step, self.total, loss, step_s, lr,
+                     " | update skipped" if skipped else "")
+
+    def advance(self) -> None:
+        if self.bar is not None:
+            self.bar.update(1)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
 
 
 def read_jsonl(path: str) -> list[dict]:
