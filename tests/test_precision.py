@@ -157,9 +157,11 @@ def test_fp16_run_that_never_updated_fails_loudly(tmp_path):
     update lands. The run still writes summary.json, then exits non-zero saying why."""
     run = tmp_path / "never"
     proc = run_train(run, 2, *COMMON, "strategy=zero2", "precision=fp16", "precision.initial_scale=1e30",
-                     "trainer.max_steps=3", check=False)
+                     "trainer.max_steps=3", "logging.progress=true", check=False)
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0, out[-3000:]
+    # output to a pipe: no tqdm bar (no carriage returns), one plain line per logged step
+    assert "\r" not in out and "step 3/3 | loss " in out and "| update skipped" in out
     assert "no update was applied: all 3 steps of this run" in out and "precision.initial_scale" in out
     summary = json.loads((run / "summary.json").read_text())
     assert (summary["skipped_steps"], summary["applied_steps"]) == (3, 0)
