@@ -132,7 +132,9 @@ class ZerolabOptimizer(torch.optim.Optimizer):
                 upd_sq, w_sq = per_tensor_sum_sq(diffs[0], segs, n), per_tensor_sum_sq(before[0], segs, n)
                 names = list(group["names"])
             else:
-                upd_sq, w_sq = _sum_sq(diffs), _sum_sq(before)
+                # per-tensor sums (not _foreach_norm): FSDP's bf16_pure weights are DTensors
+                upd_sq = torch.stack([d.pow(2).sum() for d in diffs])
+                w_sq = torch.stack([b.pow(2).sum() for b in before])
             self._update_stats.append({"names": names, "partial": is_flat_group(group), "update_sq": upd_sq,
                                        "weight_sq": w_sq})
             return
