@@ -454,8 +454,10 @@ def _fsdp(p: Prediction, shape: ModelShape, *, world, precision, k, **_):
     p.add("optim_state", shard * k * s, f"optimizer state of the shard: {_fmt_n(shard)} × {k:g} × {s}")
     biggest = max(math.prod(s_) for s_ in shape.shapes)
     p.add("transient", biggest * c, f"{dt} unsharded weights of the module being computed (largest tensor)")
-    p.why = ("no 16-bit weight shard (the fp32 shard is the weights) and an fp32 gradient shard (4Ψ/N, not "
-             "2Ψ/N): the same total; tensors padded on dim 0" if precision in MIXED else "tensors padded on dim 0")
+    padded = shard * N > shape.n_params
+    p.why = "; ".join(w for w in ("no 16-bit weight shard (the fp32 shard is the weights) and an fp32 gradient shard "
+                                  "(4Ψ/N, not 2Ψ/N): the same total" if precision in MIXED else "",
+                                  "each tensor's dim 0 padded to a multiple of N" if padded else "") if w)
     p.notes.append("vs the paper: no separate 16-bit weight shard; the gradient shard is fp32 (4Ψ/N, not 2Ψ/N)"
                    if precision in MIXED else "every model state is sharded on dim 0 of each tensor")
 

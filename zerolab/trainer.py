@@ -216,7 +216,7 @@ class Trainer:
         else:
             why = ("the gradients were not finite at those steps (trainer.nonfinite=skip); lower the lr or "
                    "enable clipping (optim.grad_clip)")
-        where = f"steps {self.start_step}-{self.cfg.trainer.max_steps - 1} (0-based)"
+        where = f"{self.start_step}-{self.cfg.trainer.max_steps - 1}, 0-based"
         if skipped == steps:
             return (f"no update was applied: all {steps} steps of this run ({where}) were skipped, so the weights "
                     f"are the ones it started from; {why}. summary.json records skipped_steps.")
