@@ -37,3 +37,8 @@ def test_global_batch_derives_accumulation():
 def test_compose_rejects_bad_value():
     with pytest.raises(ConfigError, match="optim.name='adamx'"):
         compose(["optim.name=adamx"])
+
+
+def test_max_skipped_share_must_be_a_share():
+    with pytest.raises(ConfigError, match=r"trainer.max_skipped_share=1.5 must be in \[0, 1\]"):
+        compose(["trainer.max_skipped_share=1.5"])

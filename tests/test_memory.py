@@ -174,3 +174,68 @@ def test_cli_errors_are_clear():
     assert proc.returncode == 2 and "--stage 1, 2 or 3" in proc.stderr
     proc = run_python("-m", "zerolab", "memory", "--model", "nope", check=False)
     assert proc.returncode == 2 and "known models" in proc.stderr
+
+
+PAPER_FIG1 = ["--params", "7.5e9", "--world", "64", "--precision", "fp16", "--optim", "adam"]
+
+
+def test_paper_column_reproduces_figure_1(tmp_path, monkeypatch, capsys):
+    """The ZeRO paper's Figure 1 (Ψ = 7.5B, N = 64, K = 12): 120 / 31.4 / 16.6 / 1.9 GB, beside the
+    ledger's own figures and a reason for each difference. In-process, in an empty directory:
+    without --plot no file may appear."""
+    from zerolab.memory import cli_main
+
+    monkeypatch.chdir(tmp_path)
+    assert cli_main([*PAPER_FIG1, "--sweep-world", "64"]) == 0
+    out = capsys.readouterr().out
+    assert "K = 12 (fp32 master 4 + 2 state elements × 4)" in out
+    table = out.split("why ledger and paper differ")[0]
+    rows = {line.split()[0]: line.split()[-2:] for line in table.splitlines()
+            if line.split() and line.split()[0] in ("ddp", "zero1", "zero2", "zero3")}
+    assert rows == {"ddp": ["120.0", "120.0"], "zero1": ["31.4", "31.9"], "zero2": ["16.6", "16.9"],
+                    "zero3": ["1.9", "1.9"]}  # paper, ledger
+    assert "zero2        grads +234.38 MB (+2Ψ/N): zerolab's gradient shard is fp32 (4Ψ/N)" in out
+    assert "zero1        grads +468.75 MB (+4Ψ/N)" in out and "ddp          same as the paper" in out
+    assert list(tmp_path.iterdir()) == []  # memory_sweep.png only with --plot
+
+    assert cli_main([*PAPER_FIG1, "--sweep-world", "64", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert {s: data["paper_bytes"][s] for s in ("ddp", "zero1", "zero2", "zero3")} == {
+        "ddp": [120_000_000_000], "zero1": [31_406_250_000], "zero2": [16_640_625_000], "zero3": [1_875_000_000]}
+    assert data["paper_K"] == 12 and data["paper_formula"]["zero2"] == "2Ψ+(2+K)Ψ/N"
+
+
+@pytest.mark.parametrize("strategy,paper_gb,ledger_gb,deepspeed", [
+    ("ddp", "120.0 GB", "120.0 GB", None), ("zero1", "31.4 GB", "31.9 GB", "16.6 GB"),
+    ("zero2", "16.6 GB", "16.9 GB", "16.6 GB"), ("zero3", "1.9 GB", "1.9 GB", "1.9 GB")])
+def test_paper_beside_each_strategy(capsys, strategy, paper_gb, ledger_gb, deepspeed):
+    """--strategy: the paper's formula and figure, zerolab's, and DeepSpeed's at the same stage."""
+    from zerolab.memory import cli_main
+
+    assert cli_main([*PAPER_FIG1, "--strategy", strategy]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("vs the ZeRO paper"))
+    assert lines[start + 1].split()[0] == "paper" and lines[start + 1].split()[-2:] == paper_gb.split()
+    assert lines[start + 2].split()[:4] == [strategy, "(ledger)", *ledger_gb.split()]
+    if deepspeed:
+        assert lines[start + 3].split()[:4] == [f"deepspeed-{strategy[-1]}", "(ledger)", *deepspeed.split()]
+    else:
+        assert not lines[start + 3].strip()
+    assert cli_main([*PAPER_FIG1, "--strategy", strategy, "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["paper_bytes"] == {"ddp": 120 * 10 ** 9, "zero1": 31_406_250_000, "zero2": 16_640_625_000,
+                                   "zero3": 1_875_000_000}[strategy]
+    assert data["vs_paper"].startswith("same as the paper") == (strategy in ("ddp", "zero3"))
+
+
+@pytest.mark.parametrize("precision,k_bytes", [("fp32", 8), ("bf16", 12), ("bf16_pure", 4)])
+def test_paper_formula_generalised_by_precision(precision, k_bytes):
+    """K = master bytes + state elements × their bytes; c = compute bytes in place of the paper's 2."""
+    from zerolab.memory import paper_bytes, paper_k
+
+    n, N = 64 * 10 ** 6, 8
+    c = {"fp32": 4, "bf16": 2, "bf16_pure": 2}[precision]
+    p = lambda s: predict(shape_from_params(n), s, N, precision, "adamw", bucket_mb=BIG)
+    assert paper_k(p("ddp")) == k_bytes
+    assert [paper_bytes(p(s)) for s in ("ddp", "zero1", "zero2", "zero3")] == [
+        (2 * c + k_bytes) * n, 2 * c * n + k_bytes * n // N, c * n + (c + k_bytes) * n // N, (2 * c + k_bytes) * n // N]

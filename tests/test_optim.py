@@ -178,6 +178,23 @@ def test_tracked_update_norms_equal_measured_change(name):
     assert opt.pop_update_stats() == []
 
 
+@pytest.mark.parametrize("name", ["adamw", "lamb", "lars", "sgd_momentum"])
+def test_float64_norms_stay_float64(name):
+    """Norms of fp64 weights are computed in fp64 (only 16-bit tensors are upcast, to fp32).
+    1 + k·2^-40 rounds to 1.0 in fp32, so an fp32 sum of squares of these weights would read
+    exactly 1000, and LAMB/LARS trust ratios computed from it would be off."""
+    w = torch.nn.Parameter(1 + torch.arange(1000, dtype=torch.float64) * 2.0 ** -40)
+    exact = (w.detach() * w.detach()).sum()
+    assert w.detach().float().pow(2).sum().item() == 1000.0 != exact.item()  # fp32 loses it
+    opt = build_optimizer(OptimConfig(name=name, lr=1e-3, weight_decay=0.0), [{"params": [w], "names": ["w"]}])
+    w.grad = torch.full_like(w, 0.5)
+    opt.track_updates = True
+    opt.step()
+    (rec,) = opt.pop_update_stats()
+    assert rec["weight_sq"].dtype == torch.float64 and rec["weight_sq"].item() == exact.item()
+    assert w.dtype == torch.float64
+
+
 def test_bad_settings_are_named():
     with pytest.raises(ValueError, match="impl='fast'"):
         AdamW([torch.nn.Parameter(torch.zeros(2))], impl="fast")

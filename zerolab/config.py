@@ -99,6 +99,9 @@ class TrainerConfig:
     eval_batches: int = 4
     log_every: int = 1
     nonfinite: str = "stop"  # stop | skip
+    # A run that skipped more than this share of its steps (fp16 overflows, trainer.nonfinite=skip)
+    # fails after writing summary.json; one that applied no update at all always fails. 1: only that.
+    max_skipped_share: float = 0.5
 
 
 @dataclass
@@ -235,6 +238,9 @@ def validate(cfg: DictConfig | Config, world_size: Optional[int] = None) -> Conf
     _positive("trainer.eval_every", t.eval_every, allow_zero=True)
     _positive("trainer.eval_batches", t.eval_batches)
     _choice("trainer.nonfinite", t.nonfinite, ("stop", "skip"))
+    if not 0.0 <= t.max_skipped_share <= 1.0:
+        raise ConfigError(f"trainer.max_skipped_share={t.max_skipped_share} must be in [0, 1] (a share of the "
+                          "run's steps; 1 fails only a run that applied no update at all)")
     _choice("logging.wandb.mode", cfg.logging.wandb.mode, WANDB_MODES)
     _choice("dist.backend", cfg.dist.backend, ("auto", "nccl", "gloo"))
     _choice("dist.device", cfg.dist.device, ("auto", "cpu", "cuda"))

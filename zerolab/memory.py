@@ -213,6 +213,7 @@ class Prediction:
     state_elements: float
     terms: list = field(default_factory=list)
     notes: list = field(default_factory=list)
+    why: str = ""  # why this implementation differs from the ZeRO paper's formula (set by its builder)
 
     def add(self, category: str, nbytes: float, what: str) -> None:
         self.terms.append(Term(category, int(math.ceil(nbytes)), what))
@@ -236,7 +237,10 @@ class Prediction:
                 "model": self.model, "n_params": self.n_params, "state_elements_per_param": self.state_elements,
                 "bytes": self.bytes(), "transient_bytes": self.transient_bytes,
                 "bytes_per_param": {k: v / self.n_params for k, v in self.bytes().items()},
-                "terms": [vars(t) for t in self.terms], "notes": list(self.notes)}
+                "terms": [vars(t) for t in self.terms], "notes": list(self.notes),
+                "paper_bytes": paper_bytes(self), "paper": {"formula": paper_formula(self), "K": paper_k(self),
+                                                            "bytes_by_category": paper_split(self)},
+                "vs_paper": vs_paper(self)}
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -330,6 +334,15 @@ def _zero12(p: Prediction, shape: ModelShape, *, strategy, world, precision, k, 
     if shape.buffer_bytes:
         p.add("buffers", shape.buffer_bytes, "model buffers")
     paper = "4Ψ + KΨ/N" if strategy == "zero1" else "2Ψ + (2 + K)Ψ/N"
+    why = [f"zerolab keeps its {sd} gradient shard ({s}Ψ/N) on top of the whole gradients (the paper reduces into "
+           "them, no shard)" if strategy == "zero1" else
+           f"zerolab's gradient shard is {sd} ({s}Ψ/N) where the paper's is {c}-byte ({c}Ψ/N)" if s != c else ""]
+    if precision not in MIXED:
+        why.append(f"the {sd} shard the optimizer updates duplicates the owned weights ({s}Ψ/N); without mixed "
+                   "precision the paper's K has no master copy")
+    if pad:
+        why.append("buckets are padded to multiples of N")
+    p.why = "; ".join(w for w in why if w)
     p.notes.append(f"vs the paper ({paper} in mixed precision): the gradient shard is fp32 (4Ψ/N)"
                    + (" on top of the whole 16-bit gradients" if strategy == "zero1" else " rather than 16-bit (2Ψ/N)")
                    + ("; in fp32 training the fp32 master shard (4Ψ/N) duplicates owned weights" if precision == "fp32" else "")
@@ -349,6 +362,7 @@ def _zero3(p: Prediction, shape: ModelShape, *, world, precision, k, **_):
     biggest = max(math.prod(s_) for s_ in shape.shapes)
     p.add("transient", biggest * c, "one layer's weights all-gathered for forward/backward (largest tensor)")
     p.notes.append("formula only (Rajbhandari et al. 2019); zerolab has no own stage-3 sharder")
+    p.why = "zerolab has no stage-3 sharder: this is the formula itself, with ⌈Ψ/N⌉ shards"
 
 
 def ds_grads_in_partition(shape: ModelShape, world: int, rank: int) -> int:
@@ -392,6 +406,11 @@ def _deepspeed(p: Prediction, shape: ModelShape, *, world, precision, k, stage, 
         p.add("master", part * 4, f"fp32 weight partition (kept even in fp32 training): {_fmt_n(part)} × 4")
         p.add("optim_state", part * k * 4, f"optimizer state of the partition: {_fmt_n(part)} × {k:g} × 4")
         p.add("transient", min(bucket_bytes, n * c), f"{dt} reduce bucket during backward (reduce_bucket_size = strategy.bucket_mb)")
+        p.why = (("with overlap_comm stage 1 frees the gradients outside its partition, as stage 2 does (the paper's "
+                  "stage 1 keeps all of them); " if stage == 1 else "")
+                 + f"the tensors overlapping the partition keep whole {dt} gradients; flat buffers padded to 2N; "
+                 + ("an fp32 weight partition (4Ψ/N) even in fp32 training; " if precision == "fp32" else "")
+                 + "the fp32 gradient partition (4Ψ/N) exists inside step() only (transient, not counted)")
         p.notes.append("with overlap_comm, stage 1 frees gradients outside its partition during backward, as stage 2 "
                        "does; vs the paper: an fp32 gradient partition (4Ψ/N) exists during step() on top of the "
                        f"{dt} gradients" + ("; in fp32 training the fp32 partition duplicates the weights (4Ψ/N)"
@@ -412,6 +431,9 @@ def _deepspeed(p: Prediction, shape: ModelShape, *, world, precision, k, stage, 
     p.add("transient", min(bucket_bytes, n * c), f"{dt} reduce bucket during backward (reduce_bucket_size = strategy.bucket_mb)")
     biggest = max(sizes)
     p.add("transient", biggest * c, "weights all-gathered for the module being computed (largest tensor)")
+    p.why = ("each tensor padded to N; " + ("an fp32 weight partition (4Ψ/N) even in fp32 training; "
+                                            if precision == "fp32" else "")
+             + "the fp32 gradient partition (4Ψ/N) exists inside step() only (transient, not counted)")
     p.notes.append("vs the paper: the fp32 gradient partition (4Ψ/N) during step(); with DeepSpeed's default "
                    "stage3_param_persistence_threshold (1e5, zerolab sets 0) small tensors also stay whole on every rank")
 
@@ -432,6 +454,10 @@ def _fsdp(p: Prediction, shape: ModelShape, *, world, precision, k, **_):
     p.add("optim_state", shard * k * s, f"optimizer state of the shard: {_fmt_n(shard)} × {k:g} × {s}")
     biggest = max(math.prod(s_) for s_ in shape.shapes)
     p.add("transient", biggest * c, f"{dt} unsharded weights of the module being computed (largest tensor)")
+    padded = shard * N > shape.n_params
+    p.why = "; ".join(w for w in ("no 16-bit weight shard (the fp32 shard is the weights) and an fp32 gradient shard "
+                                  "(4Ψ/N, not 2Ψ/N): the same total" if precision in MIXED else "",
+                                  "each tensor's dim 0 padded to a multiple of N" if padded else "") if w)
     p.notes.append("vs the paper: no separate 16-bit weight shard; the gradient shard is fp32 (4Ψ/N, not 2Ψ/N)"
                    if precision in MIXED else "every model state is sharded on dim 0 of each tensor")
 
@@ -458,8 +484,100 @@ def _torch_zero(p: Prediction, shape: ModelShape, *, world, precision, k, rank, 
     p.terms = [t for t in p.terms if t.category != "optim_state"]
     p.add("optim_state", owned * k * s, f"optimizer state of the whole tensors rank {rank} owns: "
                                         f"{_fmt_n(owned)} × {k:g} × {s}")
+    p.why = ("only the optimizer state is sharded" + (" (the fp32 master copy stays whole: 4Ψ, not 4Ψ/N)"
+                                                   if precision in MIXED else "")
+             + ", by whole tensors, so shards are uneven")
     p.notes.append("whole tensors are assigned greedily, so shards are uneven: "
                    + ", ".join(f"rank {r} {_fmt_n(x)}" for r, x in enumerate(torch_zero_partition(shape, world))))
+
+
+# ---- the ZeRO paper beside zerolab -----------------------------------------------------------
+# Rajbhandari et al. 2019 (ZeRO, §5.1 and Figure 1): per rank, 2Ψ of 16-bit weights, 2Ψ of 16-bit
+# gradients and KΨ of optimizer states (K = 12 for mixed-precision Adam: fp32 master weights,
+# momentum and variance, 4 bytes each); stage 1 (P_os) divides the optimizer states by N, stage 2
+# (P_os+g) also the gradients, stage 3 (P_os+g+p) also the weights. For other precisions and
+# optimizers the same formula is taken with c = compute-dtype bytes instead of 2 and
+# K = master bytes + the optimizer's state elements × their bytes.
+PAPER_STAGE = {"ddp": 0, "zero1": 1, "zero2": 2, "zero3": 3, "deepspeed-1": 1, "deepspeed-2": 2,
+               "deepspeed-3": 3, "fsdp": 3, "torch_zero": 1}
+PAPER_FORMULA = {0: "({c}+{c}+K)Ψ", 1: "{c}Ψ+{c}Ψ+KΨ/N", 2: "{c}Ψ+({c}+K)Ψ/N", 3: "({c}+{c}+K)Ψ/N"}
+
+
+def _state_bytes(precision: str) -> int:
+    return 2 if precision == "bf16_pure" else 4  # bf16_pure keeps its optimizer state in bf16
+
+
+def paper_k(pred: Prediction) -> float:
+    """The paper's K: optimizer-state bytes per parameter (master copy included)."""
+    return (4 if pred.precision in MIXED else 0) + pred.state_elements * _state_bytes(pred.precision)
+
+
+def paper_k_text(pred: Prediction) -> str:
+    k, s = pred.state_elements, _state_bytes(pred.precision)
+    parts = (["fp32 master 4"] if pred.precision in MIXED else []) + [f"{k:g} state elements × {s}"]
+    return f"K = {paper_k(pred):g} ({' + '.join(parts)})"
+
+
+def paper_formula(pred: Prediction) -> str:
+    return PAPER_FORMULA[PAPER_STAGE[pred.strategy]].format(c=COMPUTE_BYTES[pred.precision])
+
+
+def paper_split(pred: Prediction) -> dict[str, float]:
+    """The paper's bytes per rank by category (exact fractions of Ψ; no padding, no buffers)."""
+    stage, n, N = PAPER_STAGE[pred.strategy], pred.n_params, pred.world
+    c, s = COMPUTE_BYTES[pred.precision], _state_bytes(pred.precision)
+    div = lambda at: N if stage >= at else 1  # the stage at which a state starts being divided
+    return {"params": c * n / div(3), "grads": c * n / div(2),
+            "master": (4 * n if pred.precision in MIXED else 0) / div(1),
+            "optim_state": pred.state_elements * s * n / div(1), "buffers": 0.0}
+
+
+def paper_bytes(pred: Prediction) -> int:
+    return int(round(sum(paper_split(pred).values())))
+
+
+def vs_paper(pred: Prediction) -> str:
+    """One line: which categories differ from the paper's, by how much, and why."""
+    ours, paper = pred.bytes(), paper_split(pred)
+    stage, n, N = PAPER_STAGE[pred.strategy], pred.n_params, pred.world
+    parts = []
+    for cat in CATEGORIES:
+        d = ours[cat] - paper[cat]
+        if abs(d) < 1:  # the paper's exact fraction against whole bytes
+            continue
+        size = f"{'+' if d > 0 else '-'}{human_bytes(abs(d))}"
+        per_shard = d * N / n
+        if cat == "buffers":
+            parts.append(f"buffers {size} (model buffers; the paper counts model states only)")
+        elif abs(per_shard) < 0.01:
+            parts.append(f"{cat} {size} (padding)")
+        elif N > 1 and abs(per_shard - round(per_shard)) < 0.01 and abs(per_shard) <= 16:
+            # a whole number of bytes per parameter of a shard: a term of the form xΨ/N
+            parts.append(f"{cat} {size} ({per_shard:+.3g}Ψ/N)")
+        else:
+            parts.append(f"{cat} {size} ({d / n:+.3g}Ψ)")
+    if not parts:
+        return "same as the paper" + (f" ({pred.why})" if pred.strategy == "zero3" else "")
+    return ", ".join(parts) + (f": {pred.why}" if pred.why else "")
+
+
+def _gb(v: float) -> str:
+    """GB as the paper's Figure 1 prints them: one decimal from 1 GB up, three digits below."""
+    x = v / GB
+    return f"{x:.1f}" if x >= 1 else f"{x:.3g}"
+
+
+def format_paper(pred: Prediction, deepspeed: Prediction | None = None) -> list[str]:
+    """The block under a single prediction: the paper's formula and figure, this strategy's, and
+    DeepSpeed's at the same stage where the ledger models it. Figures of 1 GB and up are rounded
+    as the paper's Figure 1 prints them; the differences are exact."""
+    fig = lambda v: f"{_gb(v)} GB" if v >= GB else human_bytes(v)
+    lines = [f"vs the ZeRO paper (Rajbhandari et al. 2019), per rank, {paper_k_text(pred)}:",
+             f"  {'paper':<22} {paper_formula(pred):<16} {fig(paper_bytes(pred)):>10}"]
+    for p in (pred, deepspeed):
+        if p is not None:
+            lines.append(f"  {p.strategy + ' (ledger)':<22} {'':<16} {fig(p.bytes()['total']):>10}  {vs_paper(p)}")
+    return lines
 
 
 # ---- formatting -----------------------------------------------------------------------------
@@ -475,7 +593,7 @@ def human_bytes(v: float) -> str:
     return f"{int(v)} B"
 
 
-def format_table(pred: Prediction) -> str:
+def format_table(pred: Prediction, deepspeed: Prediction | None = None) -> str:
     b, n = pred.bytes(), pred.n_params
     total = b["total"] or 1
     head = (f"{pred.model}: {_fmt_n(n)} parameters | strategy {pred.strategy} | precision {pred.precision} | "
@@ -500,6 +618,7 @@ def format_table(pred: Prediction) -> str:
              f"= {100 * opt / ms:.1f}% of model states"]
     if pred.transient_bytes:
         lines.append(f"transient, on top during part of the step (not in total): {human_bytes(pred.transient_bytes)}")
+    lines += ["", *format_paper(pred, deepspeed)]
     lines += ["", "where it comes from:"]
     lines += [f"  {t.category:<12} {human_bytes(t.bytes):>10}  {t.what}" for t in pred.terms]
     lines += [f"  note: {note}" for note in pred.notes]
@@ -511,9 +630,9 @@ SWEEP_STRATEGIES = (("ddp", 0), ("zero1", 0), ("zero2", 0), ("zero3", 0), ("deep
                     ("deepspeed", 3), ("fsdp", 0))
 
 
-def sweep(shape: ModelShape, worlds: list[int], precision: str, optim: str, bucket_mb: float = 25.0,
-          state_elements: float | None = None) -> dict[str, list[int]]:
-    """Per-rank total bytes (model states + buffers) for each strategy at each world size."""
+def sweep_predictions(shape: ModelShape, worlds: list[int], precision: str, optim: str, bucket_mb: float = 25.0,
+                      state_elements: float | None = None) -> dict[str, list[Prediction]]:
+    """Rank 0's prediction for each strategy at each world size."""
     k = optimizer_state_elements(optim) if state_elements is None else state_elements
     out = {}
     for strategy, stage in SWEEP_STRATEGIES:
@@ -521,16 +640,33 @@ def sweep(shape: ModelShape, worlds: list[int], precision: str, optim: str, buck
             continue
         label = f"deepspeed-{stage}" if stage else strategy
         out[label] = [predict(shape, strategy, w, precision, optim, stage=stage, bucket_mb=bucket_mb,
-                              state_elements=k).bytes()["total"] for w in worlds]
+                              state_elements=k) for w in worlds]
     return out
 
 
-def format_sweep(shape: ModelShape, worlds: list[int], table: dict[str, list[int]], precision: str, optim: str) -> str:
+def sweep(shape: ModelShape, worlds: list[int], precision: str, optim: str, bucket_mb: float = 25.0,
+          state_elements: float | None = None) -> dict[str, list[int]]:
+    """Per-rank total bytes (model states + buffers) for each strategy at each world size."""
+    return {label: [p.bytes()["total"] for p in preds] for label, preds in
+            sweep_predictions(shape, worlds, precision, optim, bucket_mb, state_elements).items()}
+
+
+def format_sweep(shape: ModelShape, worlds: list[int], preds: dict[str, list[Prediction]], precision: str,
+                 optim: str) -> str:
+    """Per world size, the paper's figure beside the ledger's for each implementation; then, at the
+    largest N, why they differ."""
+    first = next(iter(preds.values()))[0]
     lines = [f"{shape.name}: {_fmt_n(shape.n_params)} parameters | precision {precision} | optimizer {optim} | "
-             "GB on rank 0 (model states + buffers)", ""]
-    lines.append(f"{'strategy':<12}" + "".join(f"{'N=' + str(w):>10}" for w in worlds))
-    for label, values in table.items():
-        lines.append(f"{label:<12}" + "".join(f"{v / GB:>10.2f}" for v in values))
+             "GB on rank 0",
+             f"paper: the ZeRO paper's formula (Rajbhandari et al. 2019), {paper_k_text(first)}; "
+             "ledger: model states + buffers as this implementation allocates them", ""]
+    lines.append(f"{'':<12}{'':<16}" + "".join(f"{'N=' + str(w):>16}" for w in worlds))
+    lines.append(f"{'strategy':<12}{'paper formula':<16}" + "".join(f"{'paper':>8}{'ledger':>8}" for _ in worlds))
+    for label, row in preds.items():
+        lines.append(f"{label:<12}{paper_formula(row[0]):<16}"
+                     + "".join(f"{_gb(paper_bytes(p)):>8}{_gb(p.bytes()['total']):>8}" for p in row))
+    lines += ["", f"why ledger and paper differ (N={worlds[-1]}):"]
+    lines += [f"  {label:<12} {vs_paper(row[-1])}" for label, row in preds.items()]
     return "\n".join(lines)
 
 
@@ -577,7 +713,7 @@ def cli_main(argv: list[str]) -> int:
     p.add_argument("--bucket-mb", type=float, default=25.0, help="gradient bucket size (strategy.bucket_mb)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.add_argument("--sweep-world", help="comma-separated world sizes, e.g. 1,2,4,8,16,64: one line per strategy")
-    p.add_argument("--plot", default="memory_sweep.png", help="PNG written by --sweep-world")
+    p.add_argument("--plot", help="with --sweep-world: also write this PNG (GB per rank against N)")
     args = p.parse_args(argv)
     try:
         shape = shape_from_params(args.params) if args.params is not None else \
@@ -589,23 +725,36 @@ def cli_main(argv: list[str]) -> int:
                 raise ValueError(f"--sweep-world={args.sweep_world!r}: give integers separated by commas, e.g. 1,2,4,8")
             if not worlds or min(worlds) < 1:
                 raise ValueError(f"--sweep-world={args.sweep_world!r}: world sizes must be >= 1")
-            table = sweep(shape, worlds, args.precision, args.optim, args.bucket_mb)
+            preds = sweep_predictions(shape, worlds, args.precision, args.optim, args.bucket_mb)
+            table = {label: [p.bytes()["total"] for p in row] for label, row in preds.items()}
             if args.json:
+                first = next(iter(preds.values()))[0]
                 print(json.dumps({"model": shape.name, "n_params": shape.n_params, "worlds": worlds,
-                                  "precision": args.precision, "optim": args.optim, "total_bytes": table}, indent=2))
+                                  "precision": args.precision, "optim": args.optim, "total_bytes": table,
+                                  "paper_bytes": {label: [paper_bytes(p) for p in row] for label, row in preds.items()},
+                                  "paper_formula": {label: paper_formula(row[0]) for label, row in preds.items()},
+                                  "paper_K": paper_k(first),
+                                  "vs_paper": {label: [vs_paper(p) for p in row] for label, row in preds.items()}},
+                                 indent=2))
             else:
-                print(format_sweep(shape, worlds, table, args.precision, args.optim))
-            plot_sweep(args.plot, shape, worlds, table, args.precision, args.optim)
-            print(f"plot: {args.plot}", file=sys.stderr if args.json else sys.stdout)
+                print(format_sweep(shape, worlds, preds, args.precision, args.optim))
+            if args.plot:  # files only where the user asked for them
+                plot_sweep(args.plot, shape, worlds, table, args.precision, args.optim)
+                print(f"plot: {args.plot}", file=sys.stderr if args.json else sys.stdout)
             return 0
         if not 0 <= args.rank < args.world:
             raise ValueError(f"--rank={args.rank} must be in [0, --world={args.world})")
         pred = predict(shape, args.strategy, args.world, args.precision, args.optim, stage=args.stage,
                        bucket_mb=args.bucket_mb, rank=args.rank)
+        deepspeed = None  # DeepSpeed at the same ZeRO stage, beside zerolab's own sharder
+        if args.strategy in ("zero1", "zero2", "zero3") and args.precision != "bf16_pure":
+            deepspeed = predict(shape, "deepspeed", args.world, args.precision, args.optim,
+                                stage=PAPER_STAGE[args.strategy], bucket_mb=args.bucket_mb,
+                                state_elements=pred.state_elements, rank=args.rank)
     except (ValueError, NotImplementedError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(json.dumps(pred.to_dict(), indent=2) if args.json else format_table(pred))
+    print(json.dumps(pred.to_dict(), indent=2) if args.json else format_table(pred, deepspeed))
     return 0
 
 

@@ -9,6 +9,7 @@ import json
 import logging
 import math
 import os
+import sys
 from typing import Optional
 
 from zerolab.config import LoggingConfig
@@ -22,6 +23,35 @@ def _jsonable(v):
     return v
 
 
+# wandb.init's keywords and the environment variables wandb reads for them when they are not given
+WANDB_ENV = {"mode": "WANDB_MODE", "project": "WANDB_PROJECT", "entity": "WANDB_ENTITY", "dir": "WANDB_DIR",
+             "name": "WANDB_NAME", "group": "WANDB_RUN_GROUP", "job_type": "WANDB_JOB_TYPE"}
+
+
+def wandb_init_kwargs(cfg: LoggingConfig, run_dir: str, experiment: str, job_type: str, config: dict,
+                      environ=os.environ) -> Optional[dict]:
+    """wandb.init's arguments, or None when wandb is off. With logging.wandb.mode=auto, wandb's
+    convention holds: a WANDB_* variable set in the environment (WANDB_MODE=disabled, WANDB_PROJECT,
+    WANDB_DIR, ...) wins over zerolab's default, which is then not passed; without WANDB_MODE the
+    mode is online with WANDB_API_KEY, else offline. An explicit mode (online, offline,
+    disabled) is zerolab's config speaking, and it is passed as given."""
+    kwargs = dict(project=cfg.wandb.project, entity=cfg.wandb.entity or None, dir=run_dir,
+                  # a sweep's jobs share one group (set by hydra_plugins/zerolab_torchrun)
+                  group=environ.get("ZEROLAB_WANDB_GROUP") or experiment, job_type=job_type, config=config,
+                  mode=cfg.wandb.mode, name=os.path.basename(run_dir), reinit="finish_previous")
+    mode = cfg.wandb.mode
+    if mode == "auto":
+        for key, var in WANDB_ENV.items():
+            if environ.get(var):
+                del kwargs[key]
+        if environ.get("WANDB_DISABLED", "").lower() in ("true", "1"):  # wandb's older switch
+            return None
+        mode = environ.get("WANDB_MODE") or ("online" if environ.get("WANDB_API_KEY") else "offline")
+        if "mode" in kwargs:
+            kwargs["mode"] = mode
+    return None if mode == "disabled" else kwargs
+
+
 class MetricsSink:
     def __init__(self, run_dir: str, cfg: LoggingConfig, is_main: bool, experiment: str,
                  job_type: str, config: dict):
@@ -32,18 +62,12 @@ class MetricsSink:
 
     @staticmethod
     def _init_wandb(cfg: LoggingConfig, run_dir: str, experiment: str, job_type: str, config: dict):
-        mode = cfg.wandb.mode
-        if mode == "auto":
-            mode = "online" if os.environ.get("WANDB_API_KEY") else "offline"
-        if mode == "disabled":
+        kwargs = wandb_init_kwargs(cfg, run_dir, experiment, job_type, config)
+        if kwargs is None:
             return None
         import wandb
 
-        return wandb.init(project=cfg.wandb.project, entity=cfg.wandb.entity or None, dir=run_dir,
-                          # a sweep's jobs share one group (set by hydra_plugins/zerolab_torchrun)
-                          group=os.environ.get("ZEROLAB_WANDB_GROUP") or experiment,
-                          job_type=job_type, config=config, mode=mode,
-                          name=os.path.basename(run_dir), reinit="finish_previous")
+        return wandb.init(**kwargs)
 
     def log(self, record: dict) -> None:
         if not self.is_main:
@@ -59,6 +83,38 @@ class MetricsSink:
             if summary:
                 self.wandb.summary.update({k: v for k, v in summary.items() if not isinstance(v, (dict, list))})
             self.wandb.finish()
+
+
+class Progress:
+    """What the training loop shows as it goes (rank 0, logging.progress=true): a tqdm bar when
+    stdout and stderr are terminals; otherwise (output redirected to a file or a pipe, Slurm)
+    one plain log line per logged step, since a bar's carriage returns would make one endless
+    line there."""
+
+    def __init__(self, enabled: bool, total: int, initial: int, desc: str):
+        self.total, self.bar, self.lines = total, None, False
+        if enabled and sys.stdout.isatty() and sys.stderr.isatty():
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, initial=initial, dynamic_ncols=True, desc=desc)
+        else:
+            self.lines = enabled
+
+    def logged(self, step: int, loss: float, step_s: float, lr: float, skipped: bool = False) -> None:
+        """A logged step (1-based `step`, as in metrics.jsonl)."""
+        if self.bar is not None:
+            self.bar.set_postfix(loss=f"{loss:.4f}", step_s=f"{step_s:.3f}")
+        elif self.lines:
+            log.info("step %d/%d | loss %.4f | step %.3f s | lr %.3g%s", step, self.total, loss, step_s, lr,
+                     " | update skipped" if skipped else "")
+
+    def advance(self) -> None:
+        if self.bar is not None:
+            self.bar.update(1)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
 
 
 def read_jsonl(path: str) -> list[dict]:

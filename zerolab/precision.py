@@ -104,10 +104,12 @@ class MasterCopy:
 
 
 def grad_norm_sq(grads: list[torch.Tensor]) -> torch.Tensor:
-    """Sum of squares of all gradients, accumulated in fp32 (a 0-dim tensor)."""
+    """Sum of squares of all gradients (a 0-dim tensor), accumulated in fp32, or in fp64 when a
+    gradient is fp64 (16-bit gradients are upcast, fp64 ones never downcast)."""
     if not grads:
         return torch.zeros((), dtype=torch.float32)
-    return torch.stack([g.float().pow(2).sum() for g in grads]).sum()
+    dtype = torch.float64 if any(g.dtype == torch.float64 for g in grads) else torch.float32
+    return torch.stack([g.to(dtype).pow(2).sum() for g in grads]).sum()
 
 
 def clip_coefficient(total_norm: float, max_norm: float) -> float:

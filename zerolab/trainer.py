@@ -17,15 +17,14 @@ from typing import Optional
 
 import torch
 from omegaconf import DictConfig, OmegaConf
-from tqdm import tqdm
-
 from zerolab import dist as zdist
 from zerolab.config import Config, global_batch, to_dict, validate
 from zerolab.checkpoint import Checkpointer, model_layout
 from zerolab.data import WindowSampler, build_data
 from zerolab.fault import FaultInjector, ProgressBoard
 from zerolab.memory import check_against, ledger_for_run, process_memory, process_summary
-from zerolab.metrics import MetricsSink
+from zerolab.errors import ZerolabError
+from zerolab.metrics import MetricsSink, Progress
 from zerolab.models import build_model, count_params, lm_loss, param_groups
 from zerolab.optim import build_optimizer
 from zerolab.optim.schedule import LRSchedule
@@ -160,9 +159,9 @@ class Trainer:
         cfg, ctx, t = self.cfg, self.ctx, self.cfg.trainer
         tokens_per_step = self.global_batch * cfg.model.block_size
         step_times, eval_loss, loss = [], float("nan"), float("nan")
-        bar = tqdm(total=t.max_steps, initial=self.start_step, disable=not (ctx.is_main and cfg.logging.progress),
-                   dynamic_ncols=True, desc=cfg.strategy.name)
+        bar = Progress(ctx.is_main and cfg.logging.progress, t.max_steps, self.start_step, cfg.strategy.name)
         per_rank: list[dict] = []
+        skipped = 0  # steps whose update was skipped (every rank agrees on each)
         for step in range(self.start_step, t.max_steps):
             self.fault.before_step(step)
             self.progress.starting(step)
@@ -172,6 +171,7 @@ class Trainer:
             ctx.synchronize()
             dt = time.perf_counter() - t0
             step_times.append(dt)
+            skipped += info.skipped
             comm = self.strategy.comm.pop_step()
             if self.logs_step(step):
                 loss = ctx.all_reduce_mean(local_loss.item())
@@ -193,16 +193,41 @@ class Trainer:
                 if self.evals_step(step):
                     eval_loss = record["eval_loss"] = self.evaluate()
                 self.metrics.log(record)
-                bar.set_postfix(loss=f"{loss:.4f}", step_s=f"{dt:.3f}")
-            bar.update(1)
+                bar.logged(step + 1, loss, dt, lr, info.skipped)
+            bar.advance()
             if cfg.checkpoint.every and (step + 1) % cfg.checkpoint.every == 0:
                 self.checkpointer.save(step + 1, self.strategy, self.schedule, self.sampler)
         bar.close()
-        summary = self.finish(loss, eval_loss, step_times, per_rank)
+        summary = self.finish(loss, eval_loss, step_times, per_rank, skipped)
+        if summary.get("error"):  # after summary.json is written, so the record of the failure exists
+            raise ZerolabError(summary["error"])
         return summary
 
-    def finish(self, loss: float, eval_loss: float, step_times: list[float], per_rank: list[dict]) -> dict:
+    def skipped_error(self, skipped: int, steps: int) -> Optional[str]:
+        """Why this run must not count as a result: it applied no update at all, or skipped more
+        than trainer.max_skipped_share of its steps. None when it is fine."""
+        share = self.cfg.trainer.max_skipped_share
+        if not steps or (skipped < steps and skipped <= share * steps):
+            return None
+        scaler = self.precision.scaler
+        if scaler.enabled:
+            why = (f"fp16 gradients overflowed at each of those steps, with the loss scale halving every time "
+                   f"(now {scaler.scale:g}); lower precision.initial_scale (default 65536) or use precision=bf16")
+        else:
+            why = ("the gradients were not finite at those steps (trainer.nonfinite=skip); lower the lr or "
+                   "enable clipping (optim.grad_clip)")
+        where = f"{self.start_step}-{self.cfg.trainer.max_steps - 1}, 0-based"
+        if skipped == steps:
+            return (f"no update was applied: all {steps} steps of this run ({where}) were skipped, so the weights "
+                    f"are the ones it started from; {why}. summary.json records skipped_steps.")
+        return (f"{skipped} of {steps} steps ({100 * skipped / steps:.0f}%) skipped their update, more than "
+                f"trainer.max_skipped_share={share:g}; {why}, or raise trainer.max_skipped_share if this is "
+                "expected. summary.json records skipped_steps.")
+
+    def finish(self, loss: float, eval_loss: float, step_times: list[float], per_rank: list[dict],
+               skipped: int = 0) -> dict:
         cfg, ctx = self.cfg, self.ctx
+        steps_run = len(step_times)  # this process's steps (a resumed run counts from its resume step)
         weights = self.strategy.consolidated_state_dict()  # collective
         self.progress.close()
         summary = {
@@ -210,6 +235,7 @@ class Trainer:
             "world_size": ctx.world_size, "strategy": cfg.strategy.name, "precision": cfg.precision.name,
             "optimizer": cfg.optim.name, "model": cfg.model.name, "n_params": self.n_params,
             "global_batch": self.global_batch,
+            "steps_run": steps_run, "skipped_steps": skipped, "applied_steps": steps_run - skipped,
             "step_time_p50_s": statistics.median(step_times) if step_times else None,
             "step_time_p95_s": percentile(step_times, 95) if step_times else None,
             "peak_memory_per_rank": [{k: v for k, v in r.items() if "peak" in k or "max" in k} for r in per_rank],
@@ -217,6 +243,9 @@ class Trainer:
             "memory_ledger": {**self.mem_check, "process_per_rank": process_summary(per_rank)},
             "run_dir": self.run_dir, "metrics": self.metrics.path,
         }
+        error = self.skipped_error(skipped, steps_run)
+        if error:
+            summary["error"] = error
         if ctx.is_main:
             if cfg.run.save_model and weights is not None:
                 from safetensors.torch import save_file

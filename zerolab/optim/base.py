@@ -20,7 +20,7 @@ from typing import Iterable, Iterator
 
 import torch
 
-from zerolab.optim.segments import is_flat_group, per_tensor_sum_sq
+from zerolab.optim.segments import LOW_PRECISION, is_flat_group, per_tensor_sum_sq, upcast
 
 IMPLS = ("auto", "foreach", "for_loop")
 
@@ -120,17 +120,23 @@ class ZerolabOptimizer(torch.optim.Optimizer):
         """p ← p·(1 − decay) + s for every tensor, so Δw = s − decay·p. The decay is applied first
         and separately (as torch's AdamW does), which keeps the rounding identical to torch's.
         When asked, records ‖Δw‖² and ‖w‖² (w before the update) first."""
-        if self.track_updates and params[0].dtype != torch.float32 and not is_flat_group(group):
-            # 16-bit weights updated in place (precision=bf16_pure): rounding can swallow the
-            # update, so record the change that actually happened, one tensor at a time.
-            upd_sq, w_sq = [], []
+        if self.track_updates and params[0].dtype in LOW_PRECISION:
+            # 16-bit weights updated in place (precision=bf16_pure, whole tensors or a ZeRO shard):
+            # rounding can swallow the update, so record the change that actually landed.
+            before = [upcast(p.detach()).clone() for p in params]
             for p, u in zip(params, updates):
-                before = p.detach().float()
                 p.mul_(1 - decay).add_(u)
-                upd_sq.append((p.detach().float() - before).pow(2).sum())
-                w_sq.append(before.pow(2).sum())
-            self._update_stats.append({"names": names, "partial": False, "update_sq": torch.stack(upd_sq),
-                                       "weight_sq": torch.stack(w_sq)})
+            diffs = [upcast(p.detach()) - b for p, b in zip(params, before)]
+            if is_flat_group(group):
+                segs, n = group["segments"], group["n_tensors"]
+                upd_sq, w_sq = per_tensor_sum_sq(diffs[0], segs, n), per_tensor_sum_sq(before[0], segs, n)
+                names = list(group["names"])
+            else:
+                # per-tensor sums (not _foreach_norm): FSDP's bf16_pure weights are DTensors
+                upd_sq = torch.stack([d.pow(2).sum() for d in diffs])
+                w_sq = torch.stack([b.pow(2).sum() for b in before])
+            self._update_stats.append({"names": names, "partial": is_flat_group(group), "update_sq": upd_sq,
+                                       "weight_sq": w_sq})
             return
         if self.track_updates:
             self._record(group, params, updates, names, decay)
@@ -155,14 +161,14 @@ class ZerolabOptimizer(torch.optim.Optimizer):
             segs, n = group["segments"], group["n_tensors"]
             u, w = updates[0], params[0]
             s_sq, w_sq = per_tensor_sum_sq(u, segs, n), per_tensor_sum_sq(w, segs, n)
-            dot = torch.zeros(n, dtype=torch.float32, device=w.device)
+            dot = torch.zeros(n, dtype=s_sq.dtype, device=w.device)
             if decay:
                 for seg in segs:
-                    dot[seg.tensor] += torch.dot(u[seg.start:seg.end].float(), w[seg.start:seg.end].float())
+                    dot[seg.tensor] += torch.dot(upcast(u[seg.start:seg.end]), upcast(w[seg.start:seg.end]))
             names = list(group["names"])
         elif params:
             s_sq, w_sq = _sum_sq(updates), _sum_sq(params)
-            dot = torch.stack([torch.dot(u.flatten().float(), w.flatten().float()) for u, w in zip(updates, params)]) \
+            dot = torch.stack([torch.dot(upcast(u.flatten()), upcast(w.flatten())) for u, w in zip(updates, params)]) \
                 if decay else torch.zeros_like(s_sq)
         else:
             return
@@ -207,12 +213,13 @@ class ZerolabOptimizer(torch.optim.Optimizer):
 
 def _sum_sq(tensors: Iterable[torch.Tensor]) -> torch.Tensor:
     tensors = list(tensors)
-    norms = torch._foreach_norm([t.float() if t.dtype != torch.float32 else t for t in tensors])
-    return torch.stack(norms).pow(2)
+    norms = torch._foreach_norm([upcast(t) for t in tensors])
+    dtype = torch.float64 if any(n.dtype == torch.float64 for n in norms) else torch.float32
+    return torch.stack([n.to(dtype) for n in norms]).pow(2)
 
 
 def per_tensor_norms(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """L2 norm of each tensor, in fp32, as one vector."""
+    """L2 norm of each tensor (fp32 for 16-bit tensors, else their own dtype), as one vector."""
     if not tensors:
         return torch.zeros(0)
     return _sum_sq(tensors).sqrt()

@@ -29,11 +29,21 @@ def is_flat_group(group: dict) -> bool:
     return "segments" in group
 
 
+LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
+def upcast(t: torch.Tensor) -> torch.Tensor:
+    """16-bit tensors in fp32 for sums and norms; fp32 and fp64 stay as they are (a float64
+    norm computed in fp32 would lose the precision the user asked for)."""
+    return t.float() if t.dtype in LOW_PRECISION else t
+
+
 def per_tensor_sum_sq(flat: torch.Tensor, segments: list[Segment], n_tensors: int) -> torch.Tensor:
-    """This rank's partial sums of squares per original tensor (fp32, length n_tensors)."""
-    out = torch.zeros(n_tensors, dtype=torch.float32, device=flat.device)
+    """This rank's partial sums of squares per original tensor (length n_tensors; fp32, or
+    fp64 for an fp64 shard)."""
+    out = torch.zeros(n_tensors, dtype=upcast(flat[:0]).dtype, device=flat.device)
     for s in segments:
-        out[s.tensor] += flat[s.start:s.end].float().pow(2).sum()
+        out[s.tensor] += upcast(flat[s.start:s.end]).pow(2).sum()
     return out
 
 
