@@ -25,9 +25,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 class ConfigError(ValueError):
     """A configuration value that cannot work; the message names the key and the fix."""
 
-    # Every rank of a job sees the same configuration, so under torchrun only rank 0 prints the
-    # message (zerolab.errors.report); a check that may differ per rank agrees on it first.
-    same_on_every_rank = True
+    same_on_every_rank = False  # see zerolab.errors.ZerolabError
 
 
 @dataclass

@@ -136,18 +136,19 @@ def check_token_file(path: str, block_size: int, val_fraction: float) -> None:
     window = block_size + 1
     if min(n_train, n_val) >= window:
         return
-    short = "validation" if n_val < window else "training"
+    # val_fraction < 0.5, so the validation split is the shorter one
+    short = "validation split has" if n_train >= window else "training and validation splits have"
     need = math.ceil(window / val_fraction)
     while split_sizes(need, val_fraction)[1] < window:  # int() rounding of the split
         need += 1
     fixes = [f"a longer token file (at least {need} tokens at this data.val_fraction)"]
     if min(n_train, n_val) > 1:
         fixes.append(f"model.block_size={min(n_train, n_val) - 1} or smaller")
-    if short == "validation" and window / n < 0.5:
+    if n_train >= window and window / n < 0.5:
         fixes.append(f"data.val_fraction={math.ceil(window / n * 1000) / 1000} or more")
     raise ConfigError(f"token file {path} holds {n} tokens: {n_train} for training and {n_val} for "
                       f"validation (data.val_fraction={val_fraction}). One window is model.block_size+1 = "
-                      f"{window} tokens, so the {short} split has no complete window. Use "
+                      f"{window} tokens, so the {short} no complete window. Use "
                       f"{' or '.join(fixes)}.")
 
 

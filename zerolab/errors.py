@@ -17,8 +17,9 @@ class ZerolabError(RuntimeError):
     """A failure with a message that names the problem and the fix; shown without a traceback."""
 
     exit_code = 1
-    # True when every rank raises the same error (decided on one rank and shared): then rank 0
-    # alone prints it. A failure seen by one rank only is printed by that rank.
+    # True when every rank raises the same error at the same point (one rank decided and shared
+    # it): then zerolab.trainer.run has rank 0 alone print it. Otherwise each rank that raises an
+    # error prints it.
     same_on_every_rank = False
 
 
@@ -27,23 +28,16 @@ def debug_enabled() -> bool:
     return os.environ.get("ZEROLAB_DEBUG", "") not in ("", "0")
 
 
-def launcher_rank() -> int:
-    """This process's rank as the launcher set it (torchrun, or srun without torchrun); 0 alone."""
-    if os.environ.get("RANK"):
-        return int(os.environ["RANK"])
-    if os.environ.get("SLURM_PROCID") and int(os.environ.get("SLURM_NTASKS", "1")) > 1:
-        return int(os.environ["SLURM_PROCID"])
-    return 0
-
-
-def report(err: BaseException) -> int:
+def report(err: BaseException, quiet: bool = False) -> int:
     """Print an explained failure (ZerolabError or zerolab.config.ConfigError) as one paragraph
-    on stderr, with the traceback first under ZEROLAB_DEBUG=1; returns the exit code to use."""
+    on stderr, after its traceback only under ZEROLAB_DEBUG=1, unless it was reported already or
+    `quiet`; returns the exit code: 2 for a configuration error, else the error's exit_code."""
     from zerolab.config import ConfigError
 
     config = isinstance(err, ConfigError)
-    if launcher_rank() == 0 or not getattr(err, "same_on_every_rank", False):
+    if not quiet and not getattr(err, "reported", False):
         if debug_enabled():
             traceback.print_exception(err)
         print(f"zerolab: {'configuration error' if config else 'error'}: {err}", file=sys.stderr, flush=True)
+    err.reported = True
     return 2 if config else getattr(err, "exit_code", 1)

@@ -36,6 +36,8 @@ LOCK_NAME = ".lock"
 class RunDirLocked(ConfigError):
     """Another live job holds the run directory; the message names it and the fix."""
 
+    same_on_every_rank = True  # rank 0 decides and shares it (zerolab.trainer.resolve_run_dir)
+
 
 def job_id() -> str:
     """The launcher's job id, shared by every rank and every restart round of one job."""

@@ -25,7 +25,7 @@ from zerolab import runlock
 from zerolab.config import Config, ConfigError, global_batch, to_dict, validate
 from zerolab.checkpoint import Checkpointer, model_layout
 from zerolab.data import WindowSampler, build_data, check_data
-from zerolab.errors import ZerolabError
+from zerolab.errors import ZerolabError, report
 from zerolab.fault import FaultInjector, ProgressBoard
 from zerolab.memory import check_against, ledger_for_run, process_memory, process_summary
 from zerolab.metrics import MetricsSink
@@ -88,7 +88,9 @@ def agree(ctx: zdist.DistContext, check) -> None:
     found = [(r, msg) for r, msg in enumerate(ctx.gather_objects(mine)) if msg]
     if found:
         rank, msg = found[0]
-        raise ConfigError(msg if len(found) == ctx.world_size else f"on rank {rank}: {msg}")
+        err = ConfigError(msg if len(found) == ctx.world_size else f"on rank {rank}: {msg}")
+        err.same_on_every_rank = True
+        raise err
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -328,6 +330,13 @@ def run(dcfg: DictConfig | Config) -> Optional[dict]:
                 log.info("setup failed: removed %s, which this job had created", run_dir)
             raise
         return trainer.fit()
+    except (ConfigError, ZerolabError) as err:
+        if err.same_on_every_rank:
+            # One message, from rank 0. The other ranks leave only after it is printed: torchrun
+            # stops the whole job as soon as one rank exits, and rank 0 could lose its message.
+            report(err, quiet=not ctx.is_main)
+            ctx.barrier()
+        raise
     except RuntimeError as err:
         if trainer is not None:
             trainer.progress.blame(err)  # raises naming the rank that stopped, if one did
