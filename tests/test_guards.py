@@ -78,7 +78,10 @@ def test_lock_refuses_a_second_holder_and_hands_over_cleanly(tmp_path, caplog):
     msg = str(info.value)
     assert f"pid {os.getpid()}" in msg and f"host {socket.gethostname()}" in msg and "Pick another run.dir" in msg
     assert runlock.holder(str(run_dir))["pid"] == os.getpid()
+    with pytest.raises(runlock.RunDirLocked, match=f"pid {os.getpid()}"):
+        runlock.check_free(str(run_dir))  # the launchers' probe, which changes nothing
     first.release()
+    runlock.check_free(str(run_dir))
     assert runlock.holder(str(run_dir)) is None  # a normal end leaves no holder behind
     with caplog.at_level(logging.INFO, logger="zerolab"):
         second = runlock.acquire(str(run_dir))
@@ -314,7 +317,7 @@ def test_second_job_on_a_held_run_dir_is_refused_and_the_first_is_untouched(tmp_
 HOLDER = """
 import sys
 from zerolab import runlock
-runlock.acquire(sys.argv[1])
+lock = runlock.acquire(sys.argv[1])  # held while this object lives
 print("locked", flush=True)
 sys.stdin.read()  # holds the lock until killed
 """

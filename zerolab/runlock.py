@@ -121,6 +121,27 @@ def _make_dirs(path: str) -> list[str]:
     return created
 
 
+def _refusal(run_dir: str, fh) -> RunDirLocked:
+    return RunDirLocked(
+        f"run directory {os.path.abspath(run_dir)} is in use by another job ({describe(_read(fh) or {})}; "
+        f"lock file {os.path.join(run_dir, LOCK_NAME)}). Two jobs in one directory would overwrite each "
+        f"other's checkpoints and metrics. Pick another run.dir, or stop that job and wait for it to exit.")
+
+
+def check_free(run_dir: str) -> None:
+    """Raise RunDirLocked if a live job holds `run_dir`; changes nothing (for launchers that
+    write into the directory before the job's rank 0 takes the lock)."""
+    try:
+        fh = open(os.path.join(run_dir, LOCK_NAME))
+    except (FileNotFoundError, NotADirectoryError):
+        return
+    with fh:
+        try:
+            fcntl.flock(fh.fileno(), fcntl.LOCK_SH | fcntl.LOCK_NB)  # conflicts with a holder's LOCK_EX
+        except BlockingIOError:
+            raise _refusal(run_dir, fh) from None
+
+
 def acquire(run_dir: str) -> RunLock:
     """Create `run_dir` if needed and lock it for this process, or raise RunDirLocked."""
     created = _make_dirs(run_dir)
@@ -129,12 +150,9 @@ def acquire(run_dir: str) -> RunLock:
     try:
         fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        holder = _read(fh) or {}
+        err = _refusal(run_dir, fh)
         fh.close()
-        raise RunDirLocked(
-            f"run directory {os.path.abspath(run_dir)} is in use by another job ({describe(holder)}; "
-            f"lock file {path}). Two jobs in one directory would overwrite each other's checkpoints "
-            f"and metrics. Pick another run.dir, or stop that job and wait for it to exit.") from None
+        raise err from None
     previous = _read(fh)
     me = {"host": socket.gethostname(), "pid": os.getpid(), "job_id": job_id(),
           "restart_round": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0),
