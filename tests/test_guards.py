@@ -151,6 +151,36 @@ def test_report_is_one_paragraph_unless_debugging(capsys, monkeypatch):
     assert report(ConfigError("bad")) == 2
 
 
+@pytest.fixture
+def one_rank(monkeypatch):
+    """A one-process gloo group (in-memory store): real collectives, no launcher."""
+    from zerolab import dist as zdist
+    from zerolab.config import DistConfig
+
+    for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "SLURM_PROCID"):
+        monkeypatch.delenv(var, raising=False)
+    ctx = zdist.init(DistConfig(device="cpu"))
+    yield ctx
+    zdist.shutdown(ctx)
+
+
+def test_agree_raises_the_same_explained_error_everywhere(one_rank):
+    from zerolab.trainer import agree
+
+    def bad_config():
+        raise ConfigError("token file x is empty")
+
+    def broken():
+        raise PermissionError("cannot write the corpus cache")
+
+    with pytest.raises(ConfigError, match="token file x is empty") as info:
+        agree(one_rank, bad_config)
+    assert info.value.same_on_every_rank  # so rank 0 alone prints it
+    with pytest.raises(ZerolabError, match="PermissionError: cannot write the corpus cache"):
+        agree(one_rank, broken)
+    agree(one_rank, lambda: None)
+
+
 class BreaksInEval(torch.nn.Module):
     """A model whose eval fails: what a final eval that raises used to cost (the weights)."""
 
@@ -164,23 +194,16 @@ class BreaksInEval(torch.nn.Module):
         return self.inner(x)
 
 
-def test_weights_and_summary_are_written_before_the_final_eval(tmp_path, monkeypatch):
-    from zerolab import dist as zdist
+def test_weights_and_summary_are_written_before_the_final_eval(tmp_path, one_rank):
     from zerolab.models import build_model
     from zerolab.trainer import Trainer
 
-    for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "SLURM_PROCID"):
-        monkeypatch.delenv(var, raising=False)  # one process, an in-memory store
-    cfg = compose([*COMMON, "trainer.max_steps=3", f"run.dir={tmp_path / 'run'}"])
-    ctx = zdist.init(cfg.dist)
-    try:
-        torch.manual_seed(cfg.trainer.seed)
-        trainer = Trainer(cfg, ctx, model=BreaksInEval(build_model(cfg.model)))
-        with pytest.raises(RuntimeError, match="the eval broke"):
-            trainer.fit()
-        trainer.run_lock.release()
-    finally:
-        zdist.shutdown(ctx)
+    cfg = compose([*COMMON, "trainer.max_steps=3", f"run.dir={tmp_path / 'run'}", "dist.device=cpu"])
+    torch.manual_seed(cfg.trainer.seed)
+    trainer = Trainer(cfg, one_rank, model=BreaksInEval(build_model(cfg.model)))
+    with pytest.raises(RuntimeError, match="the eval broke"):
+        trainer.fit()
+    trainer.run_lock.release()
     weights = load_weights(tmp_path / "run")
     assert set(weights) == {f"inner.{k}" for k in build_model(cfg.model).state_dict()}
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())

@@ -78,19 +78,23 @@ def resolve_run_dir(cfg: Config, ctx: zdist.DistContext) -> tuple[str, Optional[
 
 
 def agree(ctx: zdist.DistContext, check) -> None:
-    """Run `check` on every rank; if it raised ConfigError on any, every rank raises it, so no
-    rank goes on to wait in a collective for one that left."""
+    """Run `check` on every rank; if it raised on any, every rank raises the same error (a
+    ConfigError as such, anything else as a ZerolabError naming it), so no rank goes on to wait
+    in a collective for one that left."""
+    mine, cause = None, None
     try:
         check()
-        mine = None
     except ConfigError as err:
-        mine = str(err)
-    found = [(r, msg) for r, msg in enumerate(ctx.gather_objects(mine)) if msg]
+        mine, cause = ("config", str(err)), err
+    except Exception as err:  # e.g. the embedded corpus could not be written: keep the ranks together
+        mine, cause = ("error", f"{type(err).__name__}: {err}"), err
+    found = [(r, m) for r, m in enumerate(ctx.gather_objects(mine)) if m]
     if found:
-        rank, msg = found[0]
-        err = ConfigError(msg if len(found) == ctx.world_size else f"on rank {rank}: {msg}")
+        rank, (kind, msg) = found[0]
+        msg = msg if len(found) == ctx.world_size else f"on rank {rank}: {msg}"
+        err = ConfigError(msg) if kind == "config" else ZerolabError(msg)
         err.same_on_every_rank = True
-        raise err
+        raise err from cause
 
 
 def percentile(values: list[float], q: float) -> float:
