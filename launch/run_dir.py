@@ -4,8 +4,8 @@ The launch scripts call this before starting any rank, so that they know where t
 logs and the status file, and so that every node of a multi-node job is handed the same
 `run.dir=` (the trainer's own choice would be made by one rank 0 only after rendezvous). The name
 comes from zerolab.trainer.new_run_dir: <run.root>/<experiment>/<time>-<strategy>[-job<id>].
-Composing the config also validates it: a bad override exits with code 2 here, before any
-allocation or process group is used.
+Composing the config also validates it: a bad override, or a run.dir that another job holds
+(zerolab/runlock.py), exits with code 2 here, before any allocation or process group is used.
 
   python launch/run_dir.py strategy=zero2 trainer.max_steps=5   ->  /abs/runs/default/...-zero2
 """
@@ -14,13 +14,20 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from zerolab.config import ConfigError, compose  # noqa: E402
+from zerolab import runlock  # noqa: E402
+from zerolab.config import ConfigError, check_overrides, compose  # noqa: E402
 from zerolab.trainer import new_run_dir  # noqa: E402
 
 
+CONF = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf")
+
+
 def choose(overrides: list[str]) -> str:
+    # Unknown keys first, with zerolab's suggestion rather than Hydra's advice to add them with +.
+    check_overrides(overrides, [d for d in os.listdir(CONF) if os.path.isdir(os.path.join(CONF, d))])
     cfg = compose(overrides)
     path = os.path.abspath(cfg.run.dir or new_run_dir(cfg))
+    runlock.check_free(path)  # a held directory: refuse before the launcher writes logs into it
     os.makedirs(path, exist_ok=True)
     return path
 

@@ -37,6 +37,8 @@ from typing import Callable, Optional
 
 import torch
 
+from zerolab.errors import ZerolabError
+
 log = logging.getLogger("zerolab")
 
 FORMAT = "zerolab-checkpoint"
@@ -46,7 +48,7 @@ META, LATEST = "meta.json", "latest"
 _STEP_RE = re.compile(r"^step_(\d{8,})$")
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(ZerolabError):
     """A checkpoint that cannot be used; the message names the file and the mismatch."""
 
 

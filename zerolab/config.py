@@ -1,16 +1,22 @@
 """Typed configuration: dataclasses registered in Hydra's ConfigStore, plus validation.
 
-Hydra already rejects unknown keys and wrongly typed values because every group merges
-into one of these dataclasses. `validate` adds the checks types cannot express (allowed
-names, ranges, divisibility) and raises ConfigError with the key, the bad value and what
-would be accepted. train.py turns both kinds of failure into exit code 2, before any
-process group exists.
+Hydra already rejects wrongly typed values, and unknown keys given without `+`, because every
+group merges into one of these dataclasses. The schema is closed: `check_keys` refuses a key
+that is not a field of these dataclasses however it got in (`+key=...` adds keys to a struct
+config), and `check_overrides` refuses one on the command line before Hydra runs, so the
+message can suggest the nearest valid key instead of Hydra's advice to append it with `+`.
+`validate` adds the checks types cannot express (allowed names, ranges, divisibility) and raises
+ConfigError with the key, the bad value and what would be accepted. train.py turns every such
+failure into exit code 2, before any process group exists.
 """
 from __future__ import annotations
 
+import dataclasses
+import difflib
 import os
+import typing
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, Iterable, List, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
@@ -18,6 +24,8 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 
 class ConfigError(ValueError):
     """A configuration value that cannot work; the message names the key and the fix."""
+
+    same_on_every_rank = False  # see zerolab.errors.ZerolabError
 
 
 @dataclass
@@ -198,11 +206,100 @@ def world_size_from_env() -> int:
     return 1
 
 
+# ---- the closed schema -----------------------------------------------------------------------
+def _schema(cls=Config, prefix: str = "") -> dict[str, Any]:
+    """Every dotted key of the schema -> its dataclass (a section), FREE (a free-form dict such as
+    strategy.ds_config_overrides, whose keys are DeepSpeed's) or None (a value)."""
+    keys: dict[str, Any] = {}
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        key, kind = prefix + f.name, hints[f.name]
+        if dataclasses.is_dataclass(kind):
+            keys[key] = kind
+            keys.update(_schema(kind, key + "."))
+        else:
+            keys[key] = FREE if typing.get_origin(kind) in (dict, Dict) else None
+    return keys
+
+
+FREE = "free-form"
+SCHEMA_KEYS = _schema()
+
+
+def suggest(key: str) -> str:
+    """'did you mean X?' for the valid key nearest to `key`, else what its section holds."""
+    values = [k for k, kind in SCHEMA_KEYS.items() if not isinstance(kind, type)]
+    name = key.rsplit(".", 1)[-1]
+    same_name = [k for k in values if k.rsplit(".", 1)[-1] == name]  # right key, wrong section
+    close = same_name or difflib.get_close_matches(key, values if "." in key else list(SCHEMA_KEYS), n=1, cutoff=0.6)
+    if close:
+        return f"did you mean {close[0]}?"
+    section = key.rsplit(".", 1)[0] if "." in key else ""
+    if section in SCHEMA_KEYS and not isinstance(SCHEMA_KEYS[section], type):
+        return f"{section} is a value, with no keys below it."
+    if section in SCHEMA_KEYS:
+        names = [k[len(section) + 1:] for k in SCHEMA_KEYS if k.startswith(section + ".") and k.count(".") == key.count(".")]
+        return f"{section} has: {', '.join(names)}."
+    return f"the top-level keys are: {', '.join(k for k in SCHEMA_KEYS if '.' not in k)}."
+
+
+def _unknown(key: str, given: str = "") -> ConfigError:
+    how = f" (given as {given})" if given else ""
+    return ConfigError(f"Could not override '{key}'{how}: no such key; {suggest(key)} zerolab's schema is "
+                       f"closed (zerolab/config.py): `+` cannot add keys either (only below "
+                       f"strategy.ds_config_overrides, which takes DeepSpeed's keys).")
+
+
+def _known(key: str) -> bool:
+    parts = key.split(".")
+    for i in range(1, len(parts) + 1):
+        kind = SCHEMA_KEYS.get(".".join(parts[:i]), "unknown")
+        if kind == FREE:
+            return True  # anything below a free-form dict
+        if kind == "unknown" or (kind is None and i < len(parts)):
+            return False
+    return True
+
+
+def check_overrides(overrides: Iterable[str], groups: Iterable[str] = ()) -> None:
+    """Refuse command-line overrides of keys the schema lacks, with or without `+`/`++`/`~`.
+    `groups`: top-level config group names that are not keys (e.g. `launcher`); `hydra.*` and
+    `group/option` overrides are Hydra's business and pass through."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parser = OverridesParser.create()
+    for arg in overrides:
+        try:
+            (override,) = parser.parse_overrides([arg])
+        except Exception:  # not an override Hydra can parse: Hydra reports it
+            continue
+        key = override.key_or_group
+        if override.package is not None or "/" in key or key.split(".")[0] == "hydra":
+            continue
+        if "." not in key and key in groups:
+            continue
+        if not _known(key):
+            raise _unknown(key, arg)
+
+
+def check_keys(cfg: DictConfig, prefix: str = "") -> None:
+    """Refuse keys of a composed config that its schema lacks (added with `+key=...`)."""
+    for name in cfg.keys():
+        key = prefix + str(name)
+        if key not in SCHEMA_KEYS:
+            raise _unknown(key)
+        node = cfg._get_node(name)
+        if isinstance(SCHEMA_KEYS[key], type) and isinstance(node, DictConfig) and not node._is_missing() \
+                and not node._is_none():
+            check_keys(node, key + ".")
+
+
 def validate(cfg: DictConfig | Config, world_size: Optional[int] = None) -> Config:
     """Turn a composed config into a checked `Config` object, or raise ConfigError."""
     from zerolab.strategies import REGISTRY  # lazy: keeps import of config cheap
 
     if isinstance(cfg, DictConfig):
+        check_keys(cfg)
         cfg = OmegaConf.to_object(cfg)
     world = world_size if world_size is not None else world_size_from_env()
     m, d, s, o, p, t = cfg.model, cfg.data, cfg.strategy, cfg.optim, cfg.precision, cfg.trainer

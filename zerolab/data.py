@@ -15,6 +15,7 @@ same set of windows whatever the world size.
 from __future__ import annotations
 
 import glob
+import math
 import os
 import sysconfig
 from dataclasses import dataclass
@@ -23,7 +24,7 @@ from typing import Iterable, Optional
 import numpy as np
 import torch
 
-from zerolab.config import DataConfig
+from zerolab.config import ConfigError, DataConfig
 
 TOKEN_DTYPE = np.uint16
 EMBEDDED_NAME = "stdlib-py{}.{}-bytes.bin"
@@ -109,21 +110,67 @@ class WindowSampler:
         return [int(self._perm(g // self.n)[g % self.n]) for g in self.sample_ids(step, rank, micro)]
 
 
+def split_sizes(n_tokens: int, val_fraction: float) -> tuple[int, int]:
+    """(training tokens, validation tokens): the validation split is the file's tail."""
+    n_val = int(n_tokens * val_fraction)
+    return n_tokens - n_val, n_val
+
+
+def check_token_file(path: str, block_size: int, val_fraction: float) -> None:
+    """Raise ConfigError unless `path` is a token file with at least one window of block_size+1
+    tokens in each split; the message names the path, the sizes and the fix."""
+    prepare_cmd = f"`python -m zerolab data prepare --src DIR_OR_FILES --out {path}`"
+    if not os.path.exists(path):
+        raise ConfigError(f"data.path={path}: no such token file. Create it with {prepare_cmd}, "
+                          f"or leave data.path empty to train on the embedded corpus.")
+    if not os.path.isfile(path):
+        raise ConfigError(f"data.path={path} is not a file; give a token file made by {prepare_cmd}.")
+    size = os.path.getsize(path)
+    if size == 0:
+        raise ConfigError(f"token file {path} is empty (0 bytes). Prepare it again with {prepare_cmd}.")
+    if size % np.dtype(TOKEN_DTYPE).itemsize:
+        raise ConfigError(f"token file {path} has {size} bytes, not a whole number of uint16 tokens; "
+                          f"it is truncated or not a zerolab token file. Prepare it again with {prepare_cmd}.")
+    n = size // np.dtype(TOKEN_DTYPE).itemsize
+    n_train, n_val = split_sizes(n, val_fraction)
+    window = block_size + 1
+    if min(n_train, n_val) >= window:
+        return
+    # val_fraction < 0.5, so the validation split is the shorter one
+    short = "validation split has" if n_train >= window else "training and validation splits have"
+    need = math.ceil(window / val_fraction)
+    while split_sizes(need, val_fraction)[1] < window:  # int() rounding of the split
+        need += 1
+    fixes = [f"a longer token file (at least {need} tokens at this data.val_fraction)"]
+    if min(n_train, n_val) > 1:
+        fixes.append(f"model.block_size={min(n_train, n_val) - 1} or smaller")
+    if n_train >= window and window / n < 0.5:
+        fixes.append(f"data.val_fraction={math.ceil(window / n * 1000) / 1000} or more")
+    raise ConfigError(f"token file {path} holds {n} tokens: {n_train} for training and {n_val} for "
+                      f"validation (data.val_fraction={val_fraction}). One window is model.block_size+1 = "
+                      f"{window} tokens, so the {short} no complete window. Use "
+                      f"{' or '.join(fixes)}.")
+
+
+def token_path(cfg: DataConfig) -> str:
+    """The token file a text run reads: data.path, or the embedded corpus (prepared on first use)."""
+    return cfg.path or embedded_corpus(cfg.cache_dir)
+
+
+def check_data(cfg: DataConfig, block_size: int) -> None:
+    """Before anything is built: the data can give at least one window of each split."""
+    if cfg.kind == "text":
+        check_token_file(token_path(cfg), block_size, cfg.val_fraction)
+
+
 class TokenData:
     """Train/val splits of a token file, with the sampler and eval batches."""
 
     def __init__(self, path: str, block_size: int, val_fraction: float):
-        if not os.path.exists(path):
-            raise FileNotFoundError(f"token file {path!r} does not exist; create it with "
-                                    f"`python -m zerolab data prepare --src DIR_OR_FILES --out {path}`")
-        size = os.path.getsize(path)
-        if size % np.dtype(TOKEN_DTYPE).itemsize:
-            raise ValueError(f"token file {path!r} has {size} bytes, not a whole number of uint16 tokens; "
-                             "it is truncated or not a zerolab token file — prepare it again")
+        check_token_file(path, block_size, val_fraction)
         self.tokens = np.memmap(path, dtype=TOKEN_DTYPE, mode="r")
         self.block_size = block_size
-        n_val = int(len(self.tokens) * val_fraction)
-        self.train_end = len(self.tokens) - n_val
+        self.train_end = split_sizes(len(self.tokens), val_fraction)[0]
         self.window = block_size + 1
 
     def n_windows(self, split: str) -> int:
@@ -177,6 +224,5 @@ def build_data(cfg: DataConfig, block_size: int, vocab_size: int, seed: int):
     the write is atomic, so racing ranks produce the same file."""
     if cfg.kind == "synthetic":
         return SyntheticData(vocab_size, block_size, seed), 1 << 30
-    path = cfg.path or embedded_corpus(cfg.cache_dir)
-    data = TokenData(path, block_size, cfg.val_fraction)
+    data = TokenData(token_path(cfg), block_size, cfg.val_fraction)
     return data, data.n_windows("train")

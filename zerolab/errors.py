@@ -9,14 +9,35 @@ set ZEROLAB_DEBUG=1 to see the traceback too. Configuration mistakes are `Config
 from __future__ import annotations
 
 import os
+import sys
+import traceback
 
 
 class ZerolabError(RuntimeError):
     """A failure with a message that names the problem and the fix; shown without a traceback."""
 
     exit_code = 1
+    # True when every rank raises the same error at the same point (one rank decided and shared
+    # it): then zerolab.trainer.run has rank 0 alone print it. Otherwise each rank that raises an
+    # error prints it.
+    same_on_every_rank = False
 
 
 def debug_enabled() -> bool:
     """ZEROLAB_DEBUG=1: show tracebacks for failures zerolab otherwise explains in one paragraph."""
     return os.environ.get("ZEROLAB_DEBUG", "") not in ("", "0")
+
+
+def report(err: BaseException, quiet: bool = False) -> int:
+    """Print an explained failure (ZerolabError or zerolab.config.ConfigError) as one paragraph
+    on stderr, after its traceback only under ZEROLAB_DEBUG=1, unless it was reported already or
+    `quiet`; returns the exit code: 2 for a configuration error, else the error's exit_code."""
+    from zerolab.config import ConfigError
+
+    config = isinstance(err, ConfigError)
+    if not quiet and not getattr(err, "reported", False):
+        if debug_enabled():
+            traceback.print_exception(err)
+        print(f"zerolab: {'configuration error' if config else 'error'}: {err}", file=sys.stderr, flush=True)
+    err.reported = True
+    return 2 if config else getattr(err, "exit_code", 1)

@@ -1,7 +1,8 @@
 """The training loop: micro-batches, accumulation, step, eval, logging, final weights.
 
 Read it top to bottom: `run` validates the config (before any process group exists), sets up
-the process group, and hands over to `Trainer.fit`. The trainer talks to the strategy only
+the process group, checks the data, claims the run directory (one job per directory, see
+zerolab/runlock.py) and hands over to `Trainer.fit`. The trainer talks to the strategy only
 through the protocol in zerolab/strategies/base.py.
 """
 from __future__ import annotations
@@ -18,9 +19,11 @@ from typing import Optional
 import torch
 from omegaconf import DictConfig, OmegaConf
 from zerolab import dist as zdist
-from zerolab.config import Config, global_batch, to_dict, validate
+from zerolab import runlock
+from zerolab.config import Config, ConfigError, global_batch, to_dict, validate
 from zerolab.checkpoint import Checkpointer, model_layout
-from zerolab.data import WindowSampler, build_data
+from zerolab.data import WindowSampler, build_data, check_data
+from zerolab.errors import ZerolabError, report
 from zerolab.fault import FaultInjector, ProgressBoard
 from zerolab.memory import check_against, ledger_for_run, process_memory, process_summary
 from zerolab.errors import ZerolabError
@@ -45,17 +48,52 @@ def new_run_dir(cfg: Config) -> str:
     return path
 
 
-def resolve_run_dir(cfg: Config, ctx: zdist.DistContext) -> str:
-    """One directory for all ranks: given as run.dir, or chosen by rank 0 and broadcast."""
+def resolve_run_dir(cfg: Config, ctx: zdist.DistContext) -> tuple[str, Optional[runlock.RunLock]]:
+    """One directory for all ranks, held by this job: given as run.dir, or chosen by rank 0 and
+    broadcast. Rank 0 creates and locks it before anything in it is read or written, then writes
+    config.yaml; if it cannot (another job holds the directory), every rank raises the same error.
+    Returns the path and, on rank 0, the lock (None on the other ranks)."""
     path = cfg.run.dir
     if not path:
         path = ctx.broadcast_object(new_run_dir(cfg) if ctx.is_main else None)
+    lock, problem = None, None
     if ctx.is_main:
-        os.makedirs(path, exist_ok=True)
-        with open(os.path.join(path, "config.yaml"), "w") as fh:
-            fh.write(OmegaConf.to_yaml(to_dict(cfg)))
-    ctx.barrier()
-    return os.path.abspath(path)
+        try:
+            lock = runlock.acquire(path)
+            with open(os.path.join(path, "config.yaml"), "w") as fh:
+                fh.write(OmegaConf.to_yaml(to_dict(cfg)))
+        except runlock.RunDirLocked as err:
+            problem = err
+        except OSError as err:
+            problem = ZerolabError(f"cannot set up run directory {os.path.abspath(path)}: {err}. Check that it "
+                                   f"is writable and the disk has room, or pick another run.dir.")
+            problem.same_on_every_rank = True
+            if lock is not None:
+                lock.remove_created()
+    problem = ctx.broadcast_object(problem)  # also the barrier: config.yaml exists after it
+    if problem is not None:
+        raise problem
+    return os.path.abspath(path), lock
+
+
+def agree(ctx: zdist.DistContext, check) -> None:
+    """Run `check` on every rank; if it raised on any, every rank raises the same error (a
+    ConfigError as such, anything else as a ZerolabError naming it), so no rank goes on to wait
+    in a collective for one that left."""
+    mine, cause = None, None
+    try:
+        check()
+    except ConfigError as err:
+        mine, cause = ("config", str(err)), err
+    except Exception as err:  # e.g. the embedded corpus could not be written: keep the ranks together
+        mine, cause = ("error", f"{type(err).__name__}: {err}"), err
+    found = [(r, m) for r, m in enumerate(ctx.gather_objects(mine)) if m]
+    if found:
+        rank, (kind, msg) = found[0]
+        msg = msg if len(found) == ctx.world_size else f"on rank {rank}: {msg}"
+        err = ConfigError(msg) if kind == "config" else ZerolabError(msg)
+        err.same_on_every_rank = True
+        raise err from cause
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -64,11 +102,17 @@ def percentile(values: list[float], q: float) -> float:
 
 
 class Trainer:
-    def __init__(self, cfg: Config, ctx: zdist.DistContext, model: Optional[torch.nn.Module] = None):
-        """`model`: train this module (it must map token ids to logits) instead of cfg.model."""
+    def __init__(self, cfg: Config, ctx: zdist.DistContext, model: Optional[torch.nn.Module] = None,
+                 run_dir: Optional[str] = None):
+        """`model`: train this module (it must map token ids to logits) instead of cfg.model.
+        `run_dir`: a directory `run` already resolved and locked; without it the trainer claims
+        one itself and holds its lock until the process exits."""
         self.cfg, self.ctx = cfg, ctx
         t = cfg.trainer
-        self.run_dir = resolve_run_dir(cfg, ctx)
+        self.run_lock = None
+        if run_dir is None:
+            run_dir, self.run_lock = resolve_run_dir(cfg, ctx)
+        self.run_dir = run_dir
         self.precision = Precision.from_config(cfg.precision)
 
         torch.manual_seed(t.seed)  # same initial weights on every rank
@@ -162,6 +206,7 @@ class Trainer:
         bar = Progress(ctx.is_main and cfg.logging.progress, t.max_steps, self.start_step, cfg.strategy.name)
         per_rank: list[dict] = []
         skipped = 0  # steps whose update was skipped (every rank agrees on each)
+        last_record = None  # the final step's record: logged by finish, with the final eval
         for step in range(self.start_step, t.max_steps):
             self.fault.before_step(step)
             self.progress.starting(step)
@@ -190,17 +235,22 @@ class Trainer:
                 if not self.mem_check and not info.skipped:  # first real update: optimizer state exists
                     pred_keys, self.mem_check = check_against(self.mem_pred, per_rank, warn=ctx.is_main)
                     record.update(pred_keys)
-                if self.evals_step(step):
-                    eval_loss = record["eval_loss"] = self.evaluate()
-                self.metrics.log(record)
+                if step + 1 == t.max_steps:
+                    last_record = record
+                else:
+                    if self.evals_step(step):
+                        eval_loss = record["eval_loss"] = self.evaluate()
+                    self.metrics.log(record)
                 bar.logged(step + 1, loss, dt, lr, info.skipped)
             bar.advance()
             if cfg.checkpoint.every and (step + 1) % cfg.checkpoint.every == 0:
                 self.checkpointer.save(step + 1, self.strategy, self.schedule, self.sampler)
         bar.close()
-        summary = self.finish(loss, eval_loss, step_times, per_rank, skipped)
+        summary = self.finish(loss, eval_loss, step_times, per_rank, skipped, last_record)
         if summary.get("error"):  # after summary.json is written, so the record of the failure exists
-            raise ZerolabError(summary["error"])
+            err = ZerolabError(summary["error"])
+            err.same_on_every_rank = True  # every rank counted the same skipped steps: rank 0 says it
+            raise err
         return summary
 
     def skipped_error(self, skipped: int, steps: int) -> Optional[str]:
@@ -225,13 +275,15 @@ class Trainer:
                 "expected. summary.json records skipped_steps.")
 
     def finish(self, loss: float, eval_loss: float, step_times: list[float], per_rank: list[dict],
-               skipped: int = 0) -> dict:
+               skipped: int = 0, last_record: Optional[dict] = None) -> dict:
+        """Final weights and summary.json first, then the final eval (when the last step ran),
+        which completes the last metrics record and the summary: an eval that fails cannot cost
+        the weights."""
         cfg, ctx = self.cfg, self.ctx
         steps_run = len(step_times)  # this process's steps (a resumed run counts from its resume step)
         weights = self.strategy.consolidated_state_dict()  # collective
-        self.progress.close()
         summary = {
-            "final_loss": loss, "eval_loss": eval_loss, "steps": cfg.trainer.max_steps,
+            "final_loss": loss, "eval_loss": None if last_record else eval_loss, "steps": cfg.trainer.max_steps,
             "world_size": ctx.world_size, "strategy": cfg.strategy.name, "precision": cfg.precision.name,
             "optimizer": cfg.optim.name, "model": cfg.model.name, "n_params": self.n_params,
             "global_batch": self.global_batch,
@@ -246,6 +298,7 @@ class Trainer:
         error = self.skipped_error(skipped, steps_run)
         if error:
             summary["error"] = error
+        summary_path = os.path.join(self.run_dir, "summary.json")
         if ctx.is_main:
             if cfg.run.save_model and weights is not None:
                 from safetensors.torch import save_file
@@ -254,13 +307,28 @@ class Trainer:
                 save_file(weights, path + ".tmp")
                 os.replace(path + ".tmp", path)
                 summary["weights"] = path
-            write_json(os.path.join(self.run_dir, "summary.json"), summary)
+            write_json(summary_path, summary)
+        del weights
+        if last_record is not None:
+            try:
+                eval_loss = summary["eval_loss"] = last_record["eval_loss"] = self.evaluate()
+            except BaseException as err:
+                if ctx.is_main:  # the weights are saved; say in the summary why eval_loss is missing
+                    summary["final_eval_error"] = f"{type(err).__name__}: {err}"[:1000]
+                    write_json(summary_path, summary)
+                raise
+            finally:
+                self.metrics.log(last_record)  # with eval_loss if the eval completed
+            if ctx.is_main:
+                write_json(summary_path, summary)
+        self.progress.close()
+        if ctx.is_main:
             log.info("eval loss %.4f (uniform baseline ln 256 = 5.545) | p50 step %.3fs", eval_loss,
                      summary["step_time_p50_s"] or 0)
             log.info("metrics: %s", self.metrics.path)
             if "weights" in summary:
                 log.info("weights: %s", summary["weights"])
-            log.info("summary: %s", os.path.join(self.run_dir, "summary.json"))
+            log.info("summary: %s", summary_path)
         self.metrics.close(summary)
         ctx.barrier()
         return summary
@@ -281,13 +349,33 @@ def run(dcfg: DictConfig | Config) -> Optional[dict]:
     ctx = zdist.init(cfg.dist)
     if not ctx.is_main:
         logging.getLogger().setLevel(logging.WARNING)
-    trainer = None
+    trainer, lock = None, None
     try:
-        trainer = Trainer(cfg, ctx)
+        # User input that would only fail later (in the first batch or the final eval) fails now,
+        # on every rank alike, before the run directory is touched.
+        agree(ctx, lambda: check_data(cfg.data, cfg.model.block_size))
+        run_dir, lock = resolve_run_dir(cfg, ctx)
+        try:
+            trainer = Trainer(cfg, ctx, run_dir=run_dir)
+        except BaseException:
+            # A start that fails leaves nothing behind: the directory goes if this job created it
+            # (a run.dir that existed before, with its checkpoints, is kept).
+            if lock is not None and lock.remove_created():
+                log.info("setup failed: removed %s, which this job had created", run_dir)
+            raise
         return trainer.fit()
+    except (ConfigError, ZerolabError) as err:
+        if err.same_on_every_rank:
+            # One message, from rank 0. The other ranks leave only after it is printed: torchrun
+            # stops the whole job as soon as one rank exits, and rank 0 could lose its message.
+            report(err, quiet=not ctx.is_main)
+            ctx.barrier()
+        raise
     except RuntimeError as err:
         if trainer is not None:
             trainer.progress.blame(err)  # raises naming the rank that stopped, if one did
         raise
     finally:
+        if lock is not None:
+            lock.release()  # after the last write into the directory
         zdist.shutdown(ctx)
