@@ -21,6 +21,7 @@ _task_started = False
 def main(cfg: DictConfig) -> None:
     global _task_started
     _task_started = True
+    from zerolab.preempt import Preempted
     from zerolab.trainer import run
 
     try:
@@ -28,6 +29,9 @@ def main(cfg: DictConfig) -> None:
     except ConfigError as err:
         print(f"zerolab: configuration error: {err}", file=sys.stderr)
         sys.exit(2)
+    except Preempted as err:  # stopped on SIGTERM/SIGUSR1 after a checkpoint: not a crash
+        print(err, file=sys.stderr, flush=True)
+        sys.exit(err.exit_code)
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ from tqdm import tqdm
 
 from zerolab import dist as zdist
 from zerolab.config import Config, global_batch, to_dict, validate
-from zerolab.checkpoint import Checkpointer, model_layout
+from zerolab.checkpoint import Checkpointer, _writes_checkpoints, model_layout
 from zerolab.data import WindowSampler, build_data
 from zerolab.fault import FaultInjector, ProgressBoard
 from zerolab.memory import check_against, ledger_for_run, process_memory, process_summary
@@ -29,6 +29,7 @@ from zerolab.metrics import MetricsSink
 from zerolab.models import build_model, count_params, lm_loss, param_groups
 from zerolab.optim import build_optimizer
 from zerolab.optim.schedule import LRSchedule
+from zerolab.preempt import MARKER, Preempted, StopRequest
 from zerolab.precision import Precision
 from zerolab.strategies import strategy_class
 
@@ -69,6 +70,7 @@ class Trainer:
         """`model`: train this module (it must map token ids to logits) instead of cfg.model."""
         self.cfg, self.ctx = cfg, ctx
         t = cfg.trainer
+        StopRequest.install()  # SIGTERM/SIGUSR1 from here on: finish the step, save, exit (zerolab.preempt)
         self.run_dir = resolve_run_dir(cfg, ctx)
         self.precision = Precision.from_config(cfg.precision)
 
@@ -87,7 +89,7 @@ class Trainer:
         self.schedule = LRSchedule.from_config(cfg.optim, self.global_batch, t.max_steps)
         self.start_step = 0
         self.fault = FaultInjector(cfg.fault, ctx.rank, ctx.world_size)
-        self.progress = ProgressBoard(ctx.rank, ctx.world_size, ctx.store)  # names a rank that stops
+        self.progress = ProgressBoard(ctx.rank, ctx.world_size, ctx.store, cfg.dist.timeout_s)  # names a rank that stops
         self.checkpointer = Checkpointer(cfg, ctx, self.run_dir, model_layout(model), self.strategy)
         if cfg.checkpoint.resume:  # weights, optimizer state, RNG, loss scale; data and LR follow the step
             self.start_step = self.checkpointer.resume(self.strategy, self.schedule, self.sampler)
@@ -119,22 +121,29 @@ class Trainer:
         self.model.train()
         lr = self.schedule(step)
         losses = []
+        board, fault = self.progress, self.fault  # where this rank is, for naming a rank that stops
         for micro in range(accum):
             batch = self.data.train_batch(self.sampler, step, self.ctx.rank, micro, self.ctx.device)
             # Only the last micro-batch communicates (DDP's no_sync; ZeRO-2 keeps reducing).
             with self.strategy.no_sync() if micro < accum - 1 else nullcontext():
+                board.at(step, "forward")
+                fault.in_phase(step, "forward")
                 loss = lm_loss(self.model(batch.x), batch.y)
                 scaled = loss / accum
                 if micro == accum - 1 and self._inject_inf(step):
                     # fault.inf_grad_step: this rank's last backward carries inf, so its gradients
                     # are non-finite before the reduction and every rank sees the overflow.
                     scaled = scaled * float("inf")
+                board.at(step, "backward")
+                fault.in_phase(step, "backward", scaled)
                 self.strategy.backward(scaled)
             losses.append(loss.detach())
         # Optimizer statistics cost norms and a device sync: only on steps that are logged.
         logged = self.logs_step(step)
         every = self.cfg.logging.layer_stats_every
         self.strategy.stats_level = 0 if not logged else 2 if every and (step + 1) % every == 0 else 1
+        board.at(step, "optimizer")
+        fault.in_phase(step, "optimizer")
         info = self.strategy.step(lr)
         # The mean loss stays a tensor: reading it (a device sync on CUDA) only on logged steps.
         return torch.stack(losses).mean(), lr, info
@@ -163,9 +172,10 @@ class Trainer:
         bar = tqdm(total=t.max_steps, initial=self.start_step, disable=not (ctx.is_main and cfg.logging.progress),
                    dynamic_ncols=True, desc=cfg.strategy.name)
         per_rank: list[dict] = []
+        if ctx.is_main and os.path.exists(os.path.join(self.run_dir, MARKER)):
+            os.remove(os.path.join(self.run_dir, MARKER))  # a previous attempt's: this one is running now
         for step in range(self.start_step, t.max_steps):
             self.fault.before_step(step)
-            self.progress.starting(step)
             ctx.synchronize()
             t0 = time.perf_counter()
             local_loss, lr, info = self.train_step(step)
@@ -174,6 +184,7 @@ class Trainer:
             step_times.append(dt)
             comm = self.strategy.comm.pop_step()
             if self.logs_step(step):
+                self.progress.at(step, "log")
                 loss = ctx.all_reduce_mean(local_loss.item())
                 per_rank = ctx.gather_objects(self.rank_figures(comm))
                 record = {"step": step + 1, "loss": loss, "lr": lr, "grad_norm": info.grad_norm,
@@ -191,15 +202,47 @@ class Trainer:
                     pred_keys, self.mem_check = check_against(self.mem_pred, per_rank, warn=ctx.is_main)
                     record.update(pred_keys)
                 if self.evals_step(step):
+                    self.progress.at(step, "eval")
                     eval_loss = record["eval_loss"] = self.evaluate()
                 self.metrics.log(record)
                 bar.set_postfix(loss=f"{loss:.4f}", step_s=f"{dt:.3f}")
+                if bar.disable and ctx.is_main:  # no progress bar (batch jobs): one line per logged step
+                    log.info("step %d/%d | loss %.4f | %.3f s", step + 1, t.max_steps, loss, dt)
             bar.update(1)
+            saved = None
             if cfg.checkpoint.every and (step + 1) % cfg.checkpoint.every == 0:
-                self.checkpointer.save(step + 1, self.strategy, self.schedule, self.sampler)
+                self.progress.at(step, "checkpoint")
+                saved = self.checkpointer.save(step + 1, self.strategy, self.schedule, self.sampler)
+            # One tiny all-reduce per step: a stop signal seen by any rank stops all after this step.
+            if step + 1 < t.max_steps and StopRequest.agreed(ctx.device, ctx.world_size):
+                bar.close()
+                self.preempt(step + 1, saved)
         bar.close()
         summary = self.finish(loss, eval_loss, step_times, per_rank)
         return summary
+
+    def preempt(self, done: int, saved: Optional[str]) -> None:
+        """Every rank agreed to stop after `done` steps: checkpoint (unless this step's periodic
+        save already did), record why, and raise Preempted (exit code zerolab.preempt.EXIT_PREEMPTED)."""
+        cfg, ctx = self.cfg, self.ctx
+        why = StopRequest.signal_name or "a stop signal received by another rank"
+        path = saved
+        if path is None and _writes_checkpoints(self.strategy):
+            self.progress.at(done - 1, "checkpoint")
+            path = self.checkpointer.save(done, self.strategy, self.schedule, self.sampler)
+        elif path is None:
+            log.warning("strategy=%s cannot write checkpoints: stopping after step %d without one",
+                        cfg.strategy.name, done)
+        record = {"step": done, "stopped": "preempted", "signal": why, "checkpoint": path}
+        if ctx.is_main:
+            self.metrics.log(record)
+            write_json(os.path.join(self.run_dir, MARKER), {**record, "max_steps": cfg.trainer.max_steps})
+        self.metrics.close({"stopped": "preempted", "stopped_at_step": done})
+        self.progress.close()
+        resume = (f"resume it with checkpoint.resume=auto run.dir={self.run_dir}" if path else
+                  "no checkpoint was written (this strategy cannot write one)")
+        raise Preempted(f"zerolab: stopped after step {done} of {cfg.trainer.max_steps} on {why}; "
+                        f"checkpoint {path or '(none)'}; {resume}")
 
     def finish(self, loss: float, eval_loss: float, step_times: list[float], per_rank: list[dict]) -> dict:
         cfg, ctx = self.cfg, self.ctx
