@@ -188,15 +188,18 @@ class ProgressBoard:
         parts = []
         for r, s, what in found:
             where = "before its first step" if s["step"] is None else f"in step {s['step']} ({s['phase']})"
-            if what == "stopped responding" and s["host"] == self.host and s["pid"] and os.path.isdir("/proc"):
+            if s["host"] == self.host and s["pid"] and os.path.isdir("/proc"):
                 state = process_state(s["pid"])
                 if state is None:
                     what = "exited"
-                elif state in "Tt":
-                    # Frozen (SIGSTOP, a debugger): the launcher's SIGTERM would wait its whole
-                    # grace period for it. It is this job's rank (pid posted by itself, same host).
+                else:
+                    # This job's rank (it posted its own pid; same host), frozen or wedged: the
+                    # launcher's SIGTERM would not end it and would wait its whole grace period
+                    # (torchrun: 30 s) before SIGKILL. The job is over; end it now.
+                    if state in "Tt":
+                        what = "frozen (stopped by a signal or a debugger)"
                     os.kill(s["pid"], signal.SIGKILL)
-                    what = "frozen (stopped by a signal or a debugger); killed"
+                    what += "; killed"
             parts.append(f"rank {r} {where}: {what} [pid {s['pid']} on {s['host']}]")
         verb = "timed out" if "timed out" in str(err).lower() or "timeout" in str(err).lower() else "failed"
         raise RankStopped(f"rank {self.rank} was in step {self.step} ({self.phase}) when its collective {verb}; "

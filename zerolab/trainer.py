@@ -10,7 +10,9 @@ import json
 import logging
 import os
 import statistics
+import sys
 import time
+import traceback
 from contextlib import nullcontext
 from functools import partial
 from typing import Optional
@@ -23,7 +25,8 @@ from zerolab import dist as zdist
 from zerolab.config import Config, global_batch, to_dict, validate
 from zerolab.checkpoint import Checkpointer, _writes_checkpoints, model_layout
 from zerolab.data import WindowSampler, build_data
-from zerolab.fault import FaultInjector, ProgressBoard
+from zerolab.errors import debug_enabled
+from zerolab.fault import FaultInjector, ProgressBoard, RankStopped
 from zerolab.memory import check_against, ledger_for_run, process_memory, process_summary
 from zerolab.metrics import MetricsSink
 from zerolab.models import build_model, count_params, lm_loss, param_groups
@@ -290,6 +293,17 @@ def write_json(path: str, obj) -> None:
     os.replace(tmp, path)
 
 
+def stop_now(err: BaseException) -> None:
+    """A peer stopped mid-collective: print the verdict and exit at once. Tearing down a process
+    group whose peer is gone (destroy_process_group, the store client, interpreter exit) can take
+    seconds or wait for another timeout, and nothing is left to save: the job ends now."""
+    if debug_enabled():
+        traceback.print_exception(err)
+    print(f"{type(err).__name__}: {err}", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(1)
+
+
 def run(dcfg: DictConfig | Config) -> Optional[dict]:
     cfg = validate(dcfg)  # raises ConfigError before any process group exists
     ctx = zdist.init(cfg.dist)
@@ -301,7 +315,10 @@ def run(dcfg: DictConfig | Config) -> Optional[dict]:
         return trainer.fit()
     except RuntimeError as err:
         if trainer is not None:
-            trainer.progress.blame(err)  # raises naming the rank that stopped, if one did
+            try:
+                trainer.progress.blame(err)  # raises naming the rank that stopped, if one did
+            except RankStopped as named:
+                stop_now(named)
         raise
     finally:
         zdist.shutdown(ctx)
