@@ -3,12 +3,14 @@
 The launch scripts call this before starting any rank, so that they know where to put the rank
 logs and the status file, and so that every node of a multi-node job is handed the same
 `run.dir=` (the trainer's own choice would be made by one rank 0 only after rendezvous). The name
-comes from zerolab.trainer.new_run_dir: <run.root>/<experiment>/<time>-<strategy>[-job<id>].
+comes from zerolab.trainer.new_run_dir: <run.root>/<experiment>/<time>-<strategy>[-job<id>]; a
+requeued Slurm job gets the directory its first start chose (found by its job id).
 Composing the config also validates it: a bad override exits with code 2 here, before any
 allocation or process group is used.
 
   python launch/run_dir.py strategy=zero2 trainer.max_steps=5   ->  /abs/runs/default/...-zero2
 """
+import glob
 import os
 import sys
 
@@ -18,9 +20,19 @@ from zerolab.config import ConfigError, compose  # noqa: E402
 from zerolab.trainer import new_run_dir  # noqa: E402
 
 
+def requeued_run_dir(cfg) -> str | None:
+    """A requeued Slurm job (same job id, SLURM_RESTART_COUNT > 0) continues in its own directory."""
+    job = os.environ.get("SLURM_JOB_ID")
+    if not job or int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0) == 0:
+        return None
+    found = sorted(glob.glob(os.path.join(glob.escape(cfg.run.root), glob.escape(cfg.experiment),
+                                          f"*-{glob.escape(cfg.strategy.name)}-job{job}")))
+    return found[-1] if found else None
+
+
 def choose(overrides: list[str]) -> str:
     cfg = compose(overrides)
-    path = os.path.abspath(cfg.run.dir or new_run_dir(cfg))
+    path = os.path.abspath(cfg.run.dir or requeued_run_dir(cfg) or new_run_dir(cfg))
     os.makedirs(path, exist_ok=True)
     return path
 
