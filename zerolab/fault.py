@@ -134,9 +134,6 @@ class ProgressBoard:
             self._thread.join()
         self.store = None
 
-    def starting(self, step: int) -> None:
-        self.at(step, "start")
-
     def at(self, step: int, phase: str) -> None:
         """This rank entered `phase` of `step` (one small store write)."""
         self.step, self.phase = step, phase
