@@ -107,6 +107,7 @@ class ProgressBoard:
 
     def __init__(self, rank: int, world_size: int, store: "dist.Store | None", timeout_s: float = 300.0):
         self.rank, self.world, self.step, self.phase = rank, world_size, -1, "setup"
+        self.timeout_s, self.changed = timeout_s, time.monotonic()
         self.store = dist.PrefixStore("zerolab/progress/", store) if store is not None and world_size > 1 else None
         # Fine enough that blame() needs ~3 beats (a second or two), coarse enough to cost nothing.
         self.interval = min(1.0, max(0.1, timeout_s / 20))
@@ -119,8 +120,20 @@ class ProgressBoard:
             self._thread.start()
 
     def _beat(self) -> None:
+        from zerolab.preempt import StopRequest
+
         store = self.store
         while not self._stop.wait(self.interval):
+            stuck = time.monotonic() - self.changed
+            if StopRequest.signal_name is not None and stuck > self.timeout_s:
+                # Asked to stop (torchrun's SIGTERM after a peer failed, or a preemption), but this
+                # rank's main thread has not moved for longer than any peer waits for it: it is
+                # hung, and the stop it was asked for will never come. End it now rather than after
+                # the launcher's grace period.
+                print(f"zerolab: rank {self.rank} got {StopRequest.signal_name} but has been stuck in step "
+                      f"{self.step} ({self.phase}) for {stuck:.0f} s (> dist.timeout_s); exiting",
+                      file=sys.stderr, flush=True)
+                os._exit(1)
             try:
                 store.add(f"hb/{self.rank}", 1)
             except Exception:  # the store went down with the job; nothing left to report to
@@ -136,7 +149,7 @@ class ProgressBoard:
 
     def at(self, step: int, phase: str) -> None:
         """This rank entered `phase` of `step` (one small store write)."""
-        self.step, self.phase = step, phase
+        self.step, self.phase, self.changed = step, phase, time.monotonic()
         if self.store is not None:
             self.store.set(str(self.rank), f"{step} {phase}")
 
@@ -168,7 +181,8 @@ class ProgressBoard:
 
     def blame(self, err: BaseException) -> None:
         """Raise RankStopped naming the ranks that stopped, if any; otherwise return. A frozen
-        rank on this host is killed, so that the launcher does not wait its grace period for it."""
+        (SIGSTOPped) rank on this host is killed, so that the launcher does not wait its grace
+        period for it."""
         from zerolab.errors import ZerolabError
 
         if self.store is None or isinstance(err, (RankStopped, InjectedFault, ZerolabError)):
@@ -189,14 +203,13 @@ class ProgressBoard:
                 state = process_state(s["pid"])
                 if state is None:
                     what = "exited"
-                else:
-                    # This job's rank (it posted its own pid; same host), frozen or wedged: the
-                    # launcher's SIGTERM would not end it and would wait its whole grace period
-                    # (torchrun: 30 s) before SIGKILL. The job is over; end it now.
-                    if state in "Tt":
-                        what = "frozen (stopped by a signal or a debugger)"
+                elif state in "Tt":
+                    # This job's rank (it posted its own pid; same host), frozen: it cannot act on
+                    # the launcher's SIGTERM, and torchrun would wait its whole grace period (30 s)
+                    # before SIGKILL. The job is over; end it now. (A rank that is alive but stuck
+                    # ends itself on that SIGTERM: ProgressBoard._beat.)
                     os.kill(s["pid"], signal.SIGKILL)
-                    what += "; killed"
+                    what = "frozen (stopped by a signal or a debugger); killed"
             parts.append(f"rank {r} {where}: {what} [pid {s['pid']} on {s['host']}]")
         verb = "timed out" if "timed out" in str(err).lower() or "timeout" in str(err).lower() else "failed"
         raise RankStopped(f"rank {self.rank} was in step {self.step} ({self.phase}) when its collective {verb}; "
