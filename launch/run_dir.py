@@ -3,12 +3,14 @@
 The launch scripts call this before starting any rank, so that they know where to put the rank
 logs and the status file, and so that every node of a multi-node job is handed the same
 `run.dir=` (the trainer's own choice would be made by one rank 0 only after rendezvous). The name
-comes from zerolab.trainer.new_run_dir: <run.root>/<experiment>/<time>-<strategy>[-job<id>].
+comes from zerolab.trainer.new_run_dir: <run.root>/<experiment>/<time>-<strategy>[-job<id>]; a
+requeued Slurm job gets the directory its first start chose (found by its job id).
 Composing the config also validates it: a bad override, or a run.dir that another job holds
 (zerolab/runlock.py), exits with code 2 here, before any allocation or process group is used.
 
   python launch/run_dir.py strategy=zero2 trainer.max_steps=5   ->  /abs/runs/default/...-zero2
 """
+import glob
 import os
 import sys
 
@@ -22,11 +24,21 @@ from zerolab.trainer import new_run_dir  # noqa: E402
 CONF = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf")
 
 
+def requeued_run_dir(cfg) -> str | None:
+    """A requeued Slurm job (same job id, SLURM_RESTART_COUNT > 0) continues in its own directory."""
+    job = os.environ.get("SLURM_JOB_ID")
+    if not job or int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0) == 0:
+        return None
+    found = sorted(glob.glob(os.path.join(glob.escape(cfg.run.root), glob.escape(cfg.experiment),
+                                          f"*-{glob.escape(cfg.strategy.name)}-job{job}")))
+    return found[-1] if found else None
+
+
 def choose(overrides: list[str]) -> str:
     # Unknown keys first, with zerolab's suggestion rather than Hydra's advice to add them with +.
     check_overrides(overrides, [d for d in os.listdir(CONF) if os.path.isdir(os.path.join(CONF, d))])
     cfg = compose(overrides)
-    path = os.path.abspath(cfg.run.dir or new_run_dir(cfg))
+    path = os.path.abspath(cfg.run.dir or requeued_run_dir(cfg) or new_run_dir(cfg))
     runlock.check_free(path)  # a held directory: refuse before the launcher writes logs into it
     os.makedirs(path, exist_ok=True)
     return path

@@ -5,7 +5,8 @@
 #   NPROC=4 launch/torchrun.sh model=gpt_small
 #
 # Every rank's stdout/stderr is tee'd (torchrun --tee 3) to the console and to
-# <run dir>/logs/rank<r>.{out,err}; <run dir>/status says completed or failed at the end.
+# <run dir>/logs/rank<r>.{out,err}; <run dir>/status says completed, failed or preempted (stopped
+# by SIGTERM/SIGUSR1 after a checkpoint; exit code 75) at the end.
 # Python: $ZEROLAB_PYTHON, else the active virtualenv, else the repository's .venv, else python3.
 set -uo pipefail
 
@@ -25,10 +26,19 @@ RUN_DIR=$("$PYTHON" "$ROOT/launch/run_dir.py" "$@") || exit $?
 LOGS=$RUN_DIR/logs
 echo "zerolab: $NPROC ranks, run dir $RUN_DIR"
 
+# SIGTERM/SIGUSR1 to this script (kill, a scheduler) go to torchrun as SIGTERM, which forwards
+# it to the ranks: they finish the step, save a checkpoint and exit (README: Crash recovery).
+rm -f "$RUN_DIR/preempted.json"
+stop() { [[ -n ${pid:-} ]] && kill -TERM "$pid" 2>/dev/null; }
+trap stop TERM USR1
 "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node="$NPROC" \
     --log-dir "$LOGS/torchrun" --tee 3 \
-    "$ROOT/train.py" "$@" "run.dir=$RUN_DIR"
-rc=$?
+    "$ROOT/train.py" "$@" "run.dir=$RUN_DIR" &
+pid=$!
+while true; do  # `wait` returns early when a trapped signal arrives; wait again for torchrun itself
+    wait "$pid"; rc=$?
+    kill -0 "$pid" 2>/dev/null || break
+done
 
 # torchrun nests its logs as <log dir>/<run id>/attempt_<n>/<local rank>/{stdout,stderr}.log;
 # link them as rank<r>.out/.err (one node: local rank = rank).
@@ -38,5 +48,9 @@ for f in "$LOGS"/torchrun/*/attempt_*/*/std{out,err}.log; do
     ext=out; [[ $f == *stderr.log ]] && ext=err
     ln -sfn "${f#"$LOGS"/}" "$LOGS/rank$r.$ext"
 done
-if [[ $rc -eq 0 ]]; then echo completed >"$RUN_DIR/status"; else echo failed >"$RUN_DIR/status"; fi
+# The ranks leave preempted.json when they stopped on a signal after saving a checkpoint.
+if [[ $rc -eq 0 ]]; then status=completed
+elif [[ -f $RUN_DIR/preempted.json ]]; then status=preempted; rc=75  # EX_TEMPFAIL: resume to continue
+else status=failed; fi
+echo "$status" >"$RUN_DIR/status"
 exit $rc

@@ -9,13 +9,13 @@ from zerolab.metrics import Progress
 def test_progress_without_a_terminal_is_one_line_per_logged_step(caplog):
     # pytest captures stdout and stderr, so neither is a terminal here: no bar, plain log lines
     with caplog.at_level(logging.INFO, logger="zerolab.metrics"):
-        p = Progress(True, 30, 0, "ddp")
+        p = Progress(True, True, 30, 0, "ddp")
         assert p.bar is None
         p.logged(5, 5.4321, 0.0512, 1e-3)
         p.advance()
         p.logged(6, 5.4, 0.05, 1e-3, skipped=True)
         p.close()
-        Progress(False, 30, 0, "ddp").logged(7, 1.0, 0.1, 1e-3)  # logging.progress=false: silent
+        Progress(False, True, 30, 0, "ddp").logged(7, 1.0, 0.1, 1e-3)  # not rank 0: silent
     lines = [r.getMessage() for r in caplog.records]
     assert lines == ["step 5/30 | loss 5.4321 | step 0.051 s | lr 0.001",
                      "step 6/30 | loss 5.4000 | step 0.050 s | lr 0.001 | update skipped"]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -18,7 +19,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, base_env, load_weights, max_rel_diff, read_metrics
+import torch
+
+from conftest import ROOT, base_env, load_weights, max_rel_diff, read_metrics, run_train
 
 pytestmark = pytest.mark.slow  # every test here starts processes (see conftest: tiers)
 
@@ -208,3 +211,49 @@ def test_submitit_sweep_one_job_per_strategy(cluster, tmp_path):
         assert summary["world_size"] == 2 and summary["strategy"] == strategy and summary["steps"] == 5
         jobs.add(run.name.rsplit("-job", 1)[1])
     assert len(jobs) == 2, "the two strategies ran in the same Slurm job"
+
+
+def test_usr1_warning_saves_requeues_and_resumes(cluster, tmp_path):
+    """Slurm's time-limit warning (--signal=B:USR1@90, delivered now with `scancel --signal=USR1
+    --batch` as in the test above): the ranks save at the step they are in, the status says
+    `preempted`, the job requeues itself, the second start resumes from that checkpoint
+    (checkpoint.resume=auto, same run dir) and ends bitwise equal to an uninterrupted run."""
+    steps = ["trainer.max_steps=12", "data.micro_batch=4"]
+    ref = tmp_path / "ref"
+    run_train(ref, 2, *TRAIN, *steps)
+    run = tmp_path / "run"
+    env = dict(cluster["job_env"], ZEROLAB_LAUNCH="torchrun")
+    fifo = tmp_path / "job.out"
+    os.mkfifo(fifo)
+    cmd = ["sbatch", "--wait", "--parsable", f"--output={fifo}", str(SBATCH), *TRAIN, *steps, f"run.dir={run}"]
+    sbatch = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    attempts = []
+    try:
+        job = sbatch.stdout.readline().strip().split(";")[0]
+        assert job, sbatch.stderr.read()
+        with open(fifo, "rb", buffering=0) as out:  # attempt 1: returns once the job opens its output
+            seen = b""
+            while b"step 2/12 |" not in seen:  # rank 0 logged step 2: training is under way
+                chunk = out.read(4096)
+                assert chunk, f"job ended before step 2: {seen.decode(errors='replace')[-3000:]}"
+                seen += chunk
+            subprocess.run(["scancel", "--signal=USR1", "--batch", job], env=env, check=True, timeout=30)
+            while chunk := out.read(4096):  # until the first start closes its output
+                seen += chunk
+        attempts.append(seen.decode(errors="replace"))
+        assert f"requeueing job {job}" in attempts[0], attempts[0][-4000:]
+        # Slurm holds a requeued job for about 2 minutes (its BeginTime) before it starts again.
+        with open(fifo, "rb", buffering=0) as out:  # attempt 2: the requeued start opens it again
+            attempts.append(b"".join(iter(lambda: out.read(4096), b"")).decode(errors="replace"))
+        sbatch.wait(timeout=120)
+    finally:
+        if sbatch.poll() is None:
+            subprocess.run(["scancel", job], env=env, timeout=30)
+            sbatch.kill()
+    first, second = attempts
+    assert "zerolab: preempted" in first, first[-4000:]
+    saved = int(re.search(r"stopped after step (\d+) of 12 on SIGTERM", first).group(1))
+    assert f"resumed at step {saved}" in second and "zerolab: completed" in second, second[-4000:]
+    assert (run / "status").read_text().strip() == "completed"
+    wr, wi = load_weights(ref), load_weights(run)
+    assert all(torch.equal(wr[k], wi[k]) for k in wr), "requeued job's weights differ from the uninterrupted run"

@@ -153,7 +153,8 @@ class FaultConfig:
     """Deliberate failures, for testing recovery paths. All off by default."""
     kill_rank: int = -1  # rank that fails ...
     at_step: int = -1  # ... when it reaches this step
-    mode: str = "exit"  # exit (os._exit) | raise | hang
+    mode: str = "exit"  # exit (os._exit) | raise | hang (before at_step) | stop (SIGSTOP inside at_step)
+    phase: str = "backward"  # mode=stop: forward | backward | optimizer
     inf_grad_step: int = -1  # put an inf into one gradient at this step (loss-scaling tests)
     inf_grad_rank: int = 0
 

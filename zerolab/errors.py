@@ -38,6 +38,8 @@ def report(err: BaseException, quiet: bool = False) -> int:
     if not quiet and not getattr(err, "reported", False):
         if debug_enabled():
             traceback.print_exception(err)
-        print(f"zerolab: {'configuration error' if config else 'error'}: {err}", file=sys.stderr, flush=True)
+        text = str(err)  # a message that already speaks as zerolab (a preemption) is not an "error"
+        prefix = "" if text.startswith("zerolab:") else f"zerolab: {'configuration error' if config else 'error'}: "
+        print(prefix + text, file=sys.stderr, flush=True)
     err.reported = True
     return 2 if config else getattr(err, "exit_code", 1)

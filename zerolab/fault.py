@@ -1,28 +1,38 @@
 """Failing on purpose, and naming the rank that failed.
 
 Fault injection (`fault.kill_rank=R fault.at_step=S fault.mode=exit|raise|hang`) makes rank R
-fail just before it starts step S (0-based: after S completed steps). It fires only in the first
-attempt of a torchrun job (TORCHELASTIC_RESTART_COUNT=0), so a group that torchrun restarts
-resumes and finishes instead of failing again.
+fail just before it starts step S (0-based: after S completed steps). `fault.mode=stop` instead
+freezes rank R *inside* step S with SIGSTOP, in `fault.phase` (forward, backward: from a hook
+while autograd runs, or optimizer), as a deadlocked kernel or a frozen node would. Faults fire
+only in the first attempt of a torchrun job (TORCHELASTIC_RESTART_COUNT=0), so a group that
+torchrun restarts resumes and finishes instead of failing again.
 
 When a rank stops, the others wait in their next collective until dist.timeout_s and then get an
 error from gloo/NCCL that says "timed out" or "connection closed" but not *who* stopped. Every
-rank therefore posts the step it is starting to the job's key-value store (one small write per
-step); a rank whose collective fails reads the board and names the ranks that fell behind.
+rank therefore posts where it is (step and phase, a few small writes per step) to the job's
+key-value store, and a heartbeat thread bumps a counter every `interval` seconds while the
+process lives. A rank whose collective fails reads the board: a rank whose heartbeat no longer
+moves (frozen or dead) or that is steps behind is named, with the step and phase it was in.
 """
 from __future__ import annotations
 
+import datetime
 import logging
 import os
+import signal
+import socket
 import sys
 import threading
+import time
 
+import torch
 import torch.distributed as dist
 
 from zerolab.config import ConfigError, FaultConfig
 
 log = logging.getLogger("zerolab")
-MODES = ("exit", "raise", "hang")
+MODES = ("exit", "raise", "hang", "stop")
+PHASES = ("forward", "backward", "optimizer")
 
 
 class InjectedFault(RuntimeError):
@@ -43,11 +53,29 @@ class FaultInjector:
             raise ConfigError(f"fault.mode={cfg.mode!r} is not valid; allowed values: {', '.join(MODES)}")
         if cfg.kill_rank >= world_size:
             raise ConfigError(f"fault.kill_rank={cfg.kill_rank} but the job has {world_size} ranks")
+        if cfg.mode == "stop" and cfg.phase not in PHASES:
+            raise ConfigError(f"fault.phase={cfg.phase!r} is not valid; allowed values: {', '.join(PHASES)}")
         self.cfg, self.rank = cfg, rank
         self.armed = cfg.kill_rank == rank and cfg.at_step >= 0 and restart_count() == 0
 
+    def _stop_now(self, step: int, phase: str) -> None:
+        print(f"zerolab fault injection: rank {self.rank} stops itself (SIGSTOP) in step {step} ({phase})",
+              file=sys.stderr, flush=True)
+        os.kill(os.getpid(), signal.SIGSTOP)
+
+    def in_phase(self, step: int, phase: str, loss: "torch.Tensor | None" = None) -> None:
+        """fault.mode=stop: freeze in this phase of the chosen step. For backward, `loss` gets a
+        hook, so the process stops while autograd is running, not before it starts."""
+        if not self.armed or self.cfg.mode != "stop" or step != self.cfg.at_step or phase != self.cfg.phase:
+            return
+        self.armed = False  # once (a hook on every micro-batch's loss would fire again)
+        if phase == "backward" and loss is not None and loss.requires_grad:
+            loss.register_hook(lambda grad: self._stop_now(step, phase))
+        else:
+            self._stop_now(step, phase)
+
     def before_step(self, step: int) -> None:
-        if not self.armed or step != self.cfg.at_step:
+        if not self.armed or step != self.cfg.at_step or self.cfg.mode == "stop":
             return
         msg = f"zerolab fault injection: rank {self.rank} fails before step {step} (fault.mode={self.cfg.mode})"
         print(msg, file=sys.stderr, flush=True)
@@ -58,39 +86,132 @@ class FaultInjector:
         threading.Event().wait()  # hang: blocks until the launcher kills the process
 
 
-class ProgressBoard:
-    """Each rank's current step in the launcher's store, to name the rank that stopped."""
+def process_state(pid: int) -> "str | None":
+    """The one-letter state of a process on this host (R, S, D, T, Z, ...), None if it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            state = fh.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
+    return None if state in "ZX" else state
 
-    def __init__(self, rank: int, world_size: int, store: "dist.Store | None"):
-        self.rank, self.world, self.step = rank, world_size, -1
+
+class ProgressBoard:
+    """Where each rank is (step, phase) and whether it is alive (a heartbeat counter), in the
+    launcher's store, to name the rank that stopped.
+
+    Keys (prefix zerolab/progress/): `<r>` = "step phase", `hb/<r>` = heartbeat counter,
+    `who/<r>` = "host pid". A frozen process (SIGSTOP, a debugger, a node that stopped scheduling
+    it) freezes its heartbeat thread too; a busy one (a long kernel, a collective) keeps beating.
+    """
+
+    def __init__(self, rank: int, world_size: int, store: "dist.Store | None", timeout_s: float = 300.0):
+        self.rank, self.world, self.step, self.phase = rank, world_size, -1, "setup"
+        self.timeout_s, self.changed = timeout_s, time.monotonic()
         self.store = dist.PrefixStore("zerolab/progress/", store) if store is not None and world_size > 1 else None
+        # Fine enough that blame() needs ~3 beats (a second or two), coarse enough to cost nothing.
+        self.interval = min(1.0, max(0.1, timeout_s / 20))
+        self.host = socket.gethostname()
+        self._stop = threading.Event()
+        self._thread = None
+        if self.store is not None:
+            self.store.set(f"who/{rank}", f"{self.host} {os.getpid()}")
+            self._thread = threading.Thread(target=self._beat, name="zerolab-heartbeat", daemon=True)
+            self._thread.start()
+
+    def _beat(self) -> None:
+        from zerolab.preempt import StopRequest
+
+        store = self.store
+        while not self._stop.wait(self.interval):
+            stuck = time.monotonic() - self.changed
+            if StopRequest.signal_name is not None and stuck > self.timeout_s:
+                # Asked to stop (torchrun's SIGTERM after a peer failed, or a preemption), but this
+                # rank's main thread has not moved for longer than any peer waits for it: it is
+                # hung, and the stop it was asked for will never come. End it now rather than after
+                # the launcher's grace period.
+                print(f"zerolab: rank {self.rank} got {StopRequest.signal_name} but has been stuck in step "
+                      f"{self.step} ({self.phase}) for {stuck:.0f} s (> dist.timeout_s); exiting",
+                      file=sys.stderr, flush=True)
+                os._exit(1)
+            try:
+                store.add(f"hb/{self.rank}", 1)
+            except Exception:  # the store went down with the job; nothing left to report to
+                return
 
     def close(self) -> None:
-        """Drop the store: a store client destroyed during interpreter shutdown can abort it."""
+        """Stop the heartbeat and drop the store: a store client destroyed during interpreter
+        shutdown can abort it."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
         self.store = None
 
-    def starting(self, step: int) -> None:
-        self.step = step
+    def at(self, step: int, phase: str) -> None:
+        """This rank entered `phase` of `step` (one small store write)."""
+        self.step, self.phase, self.changed = step, phase, time.monotonic()
         if self.store is not None:
-            self.store.set(str(self.rank), str(step))
+            self.store.set(str(self.rank), f"{step} {phase}")
+
+    def _read(self) -> dict[int, dict]:
+        """Every other rank's posted position, heartbeat, host and pid."""
+        out = {}
+        for r in range(self.world):
+            if r == self.rank:
+                continue
+            pos = self.store.get(str(r)).decode().split() if self.store.check([str(r)]) else []
+            who = self.store.get(f"who/{r}").decode().split() if self.store.check([f"who/{r}"]) else []
+            beats = self.store.add(f"hb/{r}", 0)
+            out[r] = {"step": int(pos[0]) if pos else None, "phase": pos[1] if len(pos) > 1 else "setup",
+                      "host": who[0] if who else "?", "pid": int(who[1]) if len(who) > 1 else None, "beats": beats}
+        return out
+
+    def stalled(self) -> list[tuple[int, dict, str]]:
+        """Ranks that are frozen or dead (heartbeat still over three beats) or behind this one."""
+        before = self._read()
+        time.sleep(3 * self.interval)  # three beats: a live rank's counter moves in this time
+        after = self._read()
+        out = []
+        for r, now in after.items():
+            if now["beats"] == before[r]["beats"]:
+                out.append((r, now, "stopped responding"))
+            elif now["step"] is None or now["step"] < self.step:
+                out.append((r, now, "fell behind"))
+        return out
 
     def blame(self, err: BaseException) -> None:
-        """Raise RankStopped naming the ranks behind this one, if any; otherwise return."""
-        if self.store is None or self.step < 0:
+        """Raise RankStopped naming the ranks that stopped, if any; otherwise return. A frozen
+        (SIGSTOPped) rank on this host is killed, so that the launcher does not wait its grace
+        period for it."""
+        from zerolab.errors import ZerolabError
+
+        if self.store is None or isinstance(err, (RankStopped, InjectedFault, ZerolabError)):
             return
-        behind = []
+        self._stop.set()  # this rank's own heartbeat no longer matters
         try:
-            for r in range(self.world):
-                if r == self.rank:
-                    continue
-                seen = int(self.store.get(str(r))) if self.store.check([str(r)]) else None
-                if seen is None or seen < self.step:
-                    behind.append((r, seen))
+            # The job is failing: a store that is itself gone must not add another full timeout.
+            self.store.set_timeout(datetime.timedelta(seconds=max(2.0, 5 * self.interval)))
+            found = self.stalled()
         except Exception:  # the store went down with the job: keep the original error
             return
-        if not behind:
+        if not found:
             return
-        who = ", ".join(f"rank {r} (last started step {'none' if s is None else s})" for r, s in behind)
-        raise RankStopped(f"rank {self.rank} was at step {self.step} when its collective failed; stopped: {who}. "
-                          f"A rank that dies or hangs ends the job within dist.timeout_s. Original error: "
-                          f"{str(err).strip()[:300]}") from err
+        parts = []
+        for r, s, what in found:
+            where = "before its first step" if s["step"] is None else f"in step {s['step']} ({s['phase']})"
+            if s["host"] == self.host and s["pid"] and os.path.isdir("/proc"):
+                state = process_state(s["pid"])
+                if state is None:
+                    what = "exited"
+                elif state in "Tt":
+                    # This job's rank (it posted its own pid; same host), frozen: it cannot act on
+                    # the launcher's SIGTERM, and torchrun would wait its whole grace period (30 s)
+                    # before SIGKILL. The job is over; end it now. (A rank that is alive but stuck
+                    # ends itself on that SIGTERM: ProgressBoard._beat.)
+                    os.kill(s["pid"], signal.SIGKILL)
+                    what = "frozen (stopped by a signal or a debugger); killed"
+            parts.append(f"rank {r} {where}: {what} [pid {s['pid']} on {s['host']}]")
+        verb = "timed out" if "timed out" in str(err).lower() or "timeout" in str(err).lower() else "failed"
+        raise RankStopped(f"rank {self.rank} was in step {self.step} ({self.phase}) when its collective {verb}; "
+                          f"stopped: {'; '.join(parts)}. A rank that dies or hangs ends the job within dist.timeout_s. "
+                          f"Original error: {str(err).strip()[:300]}") from err

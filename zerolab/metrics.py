@@ -86,19 +86,19 @@ class MetricsSink:
 
 
 class Progress:
-    """What the training loop shows as it goes (rank 0, logging.progress=true): a tqdm bar when
-    stdout and stderr are terminals; otherwise (output redirected to a file or a pipe, Slurm)
-    one plain log line per logged step, since a bar's carriage returns would make one endless
-    line there."""
+    """What the training loop shows as it goes, on rank 0: a tqdm bar when logging.progress is set
+    and stdout and stderr are terminals; otherwise (output redirected to a file or a pipe, Slurm,
+    or logging.progress=false) one plain log line per logged step, since a bar's carriage returns
+    would make one endless line there. Launch scripts and tests wait on those lines."""
 
-    def __init__(self, enabled: bool, total: int, initial: int, desc: str):
+    def __init__(self, is_main: bool, bar: bool, total: int, initial: int, desc: str):
         self.total, self.bar, self.lines = total, None, False
-        if enabled and sys.stdout.isatty() and sys.stderr.isatty():
+        if is_main and bar and sys.stdout.isatty() and sys.stderr.isatty():
             from tqdm import tqdm
 
             self.bar = tqdm(total=total, initial=initial, dynamic_ncols=True, desc=desc)
         else:
-            self.lines = enabled
+            self.lines = is_main
 
     def logged(self, step: int, loss: float, step_s: float, lr: float, skipped: bool = False) -> None:
         """A logged step (1-based `step`, as in metrics.jsonl)."""

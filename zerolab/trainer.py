@@ -11,7 +11,9 @@ import json
 import logging
 import os
 import statistics
+import sys
 import time
+import traceback
 from contextlib import nullcontext
 from functools import partial
 from typing import Optional
@@ -21,16 +23,17 @@ from omegaconf import DictConfig, OmegaConf
 from zerolab import dist as zdist
 from zerolab import runlock
 from zerolab.config import Config, ConfigError, global_batch, to_dict, validate
-from zerolab.checkpoint import Checkpointer, model_layout
+from zerolab.checkpoint import Checkpointer, _writes_checkpoints, model_layout
 from zerolab.data import WindowSampler, build_data, check_data
-from zerolab.errors import ZerolabError, report
-from zerolab.fault import FaultInjector, ProgressBoard
+from zerolab.errors import ZerolabError, debug_enabled, report
+from zerolab.fault import FaultInjector, ProgressBoard, RankStopped
 from zerolab.memory import check_against, ledger_for_run, process_memory, process_summary
 from zerolab.errors import ZerolabError
 from zerolab.metrics import MetricsSink, Progress
 from zerolab.models import build_model, count_params, lm_loss, param_groups
 from zerolab.optim import build_optimizer
 from zerolab.optim.schedule import LRSchedule
+from zerolab.preempt import MARKER, Preempted, StopRequest
 from zerolab.precision import Precision
 from zerolab.strategies import strategy_class
 
@@ -109,6 +112,7 @@ class Trainer:
         one itself and holds its lock until the process exits."""
         self.cfg, self.ctx = cfg, ctx
         t = cfg.trainer
+        StopRequest.install()  # SIGTERM/SIGUSR1 from here on: finish the step, save, exit (zerolab.preempt)
         self.run_lock = None
         if run_dir is None:
             run_dir, self.run_lock = resolve_run_dir(cfg, ctx)
@@ -130,7 +134,7 @@ class Trainer:
         self.schedule = LRSchedule.from_config(cfg.optim, self.global_batch, t.max_steps)
         self.start_step = 0
         self.fault = FaultInjector(cfg.fault, ctx.rank, ctx.world_size)
-        self.progress = ProgressBoard(ctx.rank, ctx.world_size, ctx.store)  # names a rank that stops
+        self.progress = ProgressBoard(ctx.rank, ctx.world_size, ctx.store, cfg.dist.timeout_s)  # names a rank that stops
         self.checkpointer = Checkpointer(cfg, ctx, self.run_dir, model_layout(model), self.strategy)
         if cfg.checkpoint.resume:  # weights, optimizer state, RNG, loss scale; data and LR follow the step
             self.start_step = self.checkpointer.resume(self.strategy, self.schedule, self.sampler)
@@ -162,22 +166,29 @@ class Trainer:
         self.model.train()
         lr = self.schedule(step)
         losses = []
+        board, fault = self.progress, self.fault  # where this rank is, for naming a rank that stops
         for micro in range(accum):
             batch = self.data.train_batch(self.sampler, step, self.ctx.rank, micro, self.ctx.device)
             # Only the last micro-batch communicates (DDP's no_sync; ZeRO-2 keeps reducing).
             with self.strategy.no_sync() if micro < accum - 1 else nullcontext():
+                board.at(step, "forward")
+                fault.in_phase(step, "forward")
                 loss = lm_loss(self.model(batch.x), batch.y)
                 scaled = loss / accum
                 if micro == accum - 1 and self._inject_inf(step):
                     # fault.inf_grad_step: this rank's last backward carries inf, so its gradients
                     # are non-finite before the reduction and every rank sees the overflow.
                     scaled = scaled * float("inf")
+                board.at(step, "backward")
+                fault.in_phase(step, "backward", scaled)
                 self.strategy.backward(scaled)
             losses.append(loss.detach())
         # Optimizer statistics cost norms and a device sync: only on steps that are logged.
         logged = self.logs_step(step)
         every = self.cfg.logging.layer_stats_every
         self.strategy.stats_level = 0 if not logged else 2 if every and (step + 1) % every == 0 else 1
+        board.at(step, "optimizer")
+        fault.in_phase(step, "optimizer")
         info = self.strategy.step(lr)
         # The mean loss stays a tensor: reading it (a device sync on CUDA) only on logged steps.
         return torch.stack(losses).mean(), lr, info
@@ -203,13 +214,14 @@ class Trainer:
         cfg, ctx, t = self.cfg, self.ctx, self.cfg.trainer
         tokens_per_step = self.global_batch * cfg.model.block_size
         step_times, eval_loss, loss = [], float("nan"), float("nan")
-        bar = Progress(ctx.is_main and cfg.logging.progress, t.max_steps, self.start_step, cfg.strategy.name)
+        bar = Progress(ctx.is_main, cfg.logging.progress, t.max_steps, self.start_step, cfg.strategy.name)
         per_rank: list[dict] = []
         skipped = 0  # steps whose update was skipped (every rank agrees on each)
         last_record = None  # the final step's record: logged by finish, with the final eval
+        if ctx.is_main and os.path.exists(os.path.join(self.run_dir, MARKER)):
+            os.remove(os.path.join(self.run_dir, MARKER))  # a previous attempt's: this one is running now
         for step in range(self.start_step, t.max_steps):
             self.fault.before_step(step)
-            self.progress.starting(step)
             ctx.synchronize()
             t0 = time.perf_counter()
             local_loss, lr, info = self.train_step(step)
@@ -219,6 +231,7 @@ class Trainer:
             skipped += info.skipped
             comm = self.strategy.comm.pop_step()
             if self.logs_step(step):
+                self.progress.at(step, "log")
                 loss = ctx.all_reduce_mean(local_loss.item())
                 per_rank = ctx.gather_objects(self.rank_figures(comm))
                 record = {"step": step + 1, "loss": loss, "lr": lr, "grad_norm": info.grad_norm,
@@ -239,12 +252,19 @@ class Trainer:
                     last_record = record
                 else:
                     if self.evals_step(step):
+                        self.progress.at(step, "eval")
                         eval_loss = record["eval_loss"] = self.evaluate()
                     self.metrics.log(record)
                 bar.logged(step + 1, loss, dt, lr, info.skipped)
             bar.advance()
+            saved = None
             if cfg.checkpoint.every and (step + 1) % cfg.checkpoint.every == 0:
-                self.checkpointer.save(step + 1, self.strategy, self.schedule, self.sampler)
+                self.progress.at(step, "checkpoint")
+                saved = self.checkpointer.save(step + 1, self.strategy, self.schedule, self.sampler)
+            # One tiny all-reduce per step: a stop signal seen by any rank stops all after this step.
+            if step + 1 < t.max_steps and StopRequest.agreed(ctx.device, ctx.world_size):
+                bar.close()
+                self.preempt(step + 1, saved)
         bar.close()
         summary = self.finish(loss, eval_loss, step_times, per_rank, skipped, last_record)
         if summary.get("error"):  # after summary.json is written, so the record of the failure exists
@@ -252,6 +272,30 @@ class Trainer:
             err.same_on_every_rank = True  # every rank counted the same skipped steps: rank 0 says it
             raise err
         return summary
+
+    def preempt(self, done: int, saved: Optional[str]) -> None:
+        """Every rank agreed to stop after `done` steps: checkpoint (unless this step's periodic
+        save already did), record why, and raise Preempted (exit code zerolab.preempt.EXIT_PREEMPTED)."""
+        cfg, ctx = self.cfg, self.ctx
+        why = StopRequest.signal_name or "a stop signal received by another rank"
+        path = saved
+        if path is None and _writes_checkpoints(self.strategy):
+            self.progress.at(done - 1, "checkpoint")
+            path = self.checkpointer.save(done, self.strategy, self.schedule, self.sampler)
+        elif path is None:
+            log.warning("strategy=%s cannot write checkpoints: stopping after step %d without one",
+                        cfg.strategy.name, done)
+        record = {"step": done, "stopped": "preempted", "signal": why, "checkpoint": path}
+        if ctx.is_main:
+            self.metrics.log(record)
+            write_json(os.path.join(self.run_dir, MARKER), {**record, "max_steps": cfg.trainer.max_steps})
+        self.metrics.close({"stopped": "preempted", "stopped_at_step": done})
+        self.progress.close()
+        resume = (f"resume it with checkpoint.resume=auto run.dir={self.run_dir}" if path else
+                  "no checkpoint was written (this strategy cannot write one)")
+        raise Preempted(f"zerolab: stopped after step {done} of {cfg.trainer.max_steps} on {why}; "
+                        f"checkpoint {path or '(none)'}; {resume}")
+
 
     def skipped_error(self, skipped: int, steps: int) -> Optional[str]:
         """Why this run must not count as a result: it applied no update at all, or skipped more
@@ -344,6 +388,17 @@ def write_json(path: str, obj) -> None:
     os.replace(tmp, path)
 
 
+def stop_now(err: BaseException) -> None:
+    """A peer stopped mid-collective: print the verdict and exit at once. Tearing down a process
+    group whose peer is gone (destroy_process_group, the store client, interpreter exit) can take
+    seconds or wait for another timeout, and nothing is left to save: the job ends now."""
+    if debug_enabled():
+        traceback.print_exception(err)
+    print(f"{type(err).__name__}: {err}", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(1)
+
+
 def run(dcfg: DictConfig | Config) -> Optional[dict]:
     cfg = validate(dcfg)  # raises ConfigError before any process group exists
     ctx = zdist.init(cfg.dist)
@@ -373,7 +428,10 @@ def run(dcfg: DictConfig | Config) -> Optional[dict]:
         raise
     except RuntimeError as err:
         if trainer is not None:
-            trainer.progress.blame(err)  # raises naming the rank that stopped, if one did
+            try:
+                trainer.progress.blame(err)  # raises naming the rank that stopped, if one did
+            except RankStopped as named:
+                stop_now(named)
         raise
     finally:
         if lock is not None:

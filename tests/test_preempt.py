@@ -1,0 +1,135 @@
+"""Preemption and frozen ranks, with real signals to real torchrun jobs (2 ranks, gpt_tiny).
+
+- SIGTERM to the torchrun agent (what a preempting scheduler or Slurm's time limit sends): every
+  rank finishes its step, they agree to stop, save a checkpoint at that step and exit; resuming
+  from it ends bitwise equal to a run that was never interrupted.
+- A rank frozen mid-step (SIGSTOP: by zerolab's fault injection inside backward, or from outside)
+  is named by the others and the job ends; the subprocess timeout bounds it (dist.timeout_s=10
+  plus margin), so a regression to torchrun's 30 s grace wait for the frozen rank fails the test.
+
+Waiting for a step means reading the job's output line by line (blocking reads), never sleeping.
+"""
+import json
+import os
+import signal
+import subprocess
+
+import pytest
+import torch
+
+from conftest import ROOT, TORCHRUN, base_env, load_weights, read_metrics, run_train
+
+pytestmark = pytest.mark.slow  # every test here starts processes (see conftest: tiers)
+
+COMMON = ["model=gpt_tiny", "data=text", "trainer.eval_every=0", "data.micro_batch=4", "model.dropout=0.1",
+          "logging.wandb.mode=disabled", "logging.progress=false"]
+
+
+def start(cmd_head, run_dir, *overrides):
+    """The job with stdout and stderr merged into one pipe, read line by line by the test."""
+    cmd = [*cmd_head, f"run.dir={run_dir}", *COMMON, *overrides]
+    return subprocess.Popen(cmd, cwd=ROOT, env=base_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+
+
+def read_until(proc, text: str, seen: list[str]) -> None:
+    """Blocking readline until a line contains `text`; fails if the job ends first."""
+    for line in proc.stdout:
+        seen.append(line)
+        if text in line:
+            return
+    pytest.fail(f"job ended before printing {text!r}:\n{''.join(seen)[-6000:]}")
+
+
+def finish(proc, seen: list[str], timeout: float) -> str:
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"job still running {timeout} s after the signal:\n{(''.join(seen) + out)[-6000:]}")
+    return "".join(seen) + out
+
+
+TORCHRUN_2 = [*TORCHRUN, "--standalone", "--nproc_per_node=2", str(ROOT / "train.py")]
+
+
+def test_sigterm_to_agent_saves_and_resume_matches_uninterrupted(tmp_path):
+    ref = tmp_path / "ref"
+    run_train(ref, 2, *COMMON, "trainer.max_steps=12")
+    run = tmp_path / "run"
+    proc, seen = start(TORCHRUN_2, run, "trainer.max_steps=12", "checkpoint.every=0"), []
+    read_until(proc, "step 4/12 |", seen)  # rank 0 logged step 4: training is under way
+    proc.send_signal(signal.SIGTERM)  # to the agent only; it forwards SIGTERM to its workers
+    # torchrun's grace period (30 s) bounds the workers; this bounds a job that ignores it.
+    out = finish(proc, seen, timeout=90)
+    marker = json.loads((run / "preempted.json").read_text())
+    step = marker["step"]
+    assert marker["stopped"] == "preempted" and marker["signal"] == "SIGTERM", marker
+    assert 4 <= step < 12, marker  # the step each rank was in when the signal came (or the next)
+    assert f"zerolab: stopped after step {step} of 12 on SIGTERM" in out, out[-6000:]
+    assert (run / "checkpoints" / f"step_{step:08d}" / "meta.json").exists(), out[-6000:]
+    assert read_metrics(run)[-1] == {"step": step, "stopped": "preempted", "signal": "SIGTERM",
+                                     "checkpoint": marker["checkpoint"]}
+    assert not (run / "model.safetensors").exists()  # stopped, not finished
+
+    resumed = run_train(run, 2, *COMMON, "trainer.max_steps=12", "checkpoint.resume=auto")
+    assert f"resumed at step {step}" in resumed.stdout + resumed.stderr
+    assert not (run / "preempted.json").exists()  # the resumed run cleared the stale marker
+    wr, wi = load_weights(ref), load_weights(run)
+    assert all(torch.equal(wr[k], wi[k]) for k in wr), "resumed weights differ from the uninterrupted run"
+
+
+def test_sigterm_to_launch_script_writes_preempted_status(tmp_path):
+    """launch/torchrun.sh forwards the signal, then says `preempted` and exits 75 (EX_TEMPFAIL)."""
+    run = tmp_path / "run"
+    proc, seen = start([str(ROOT / "launch" / "torchrun.sh")], run, "trainer.max_steps=1000"), []
+    read_until(proc, "step 2/1000 |", seen)
+    proc.send_signal(signal.SIGTERM)
+    out = finish(proc, seen, timeout=90)
+    assert proc.returncode == 75, out[-6000:]
+    assert (run / "status").read_text().strip() == "preempted", out[-6000:]
+    step = json.loads((run / "preempted.json").read_text())["step"]
+    assert (run / "checkpoints" / f"step_{step:08d}" / "meta.json").exists()
+
+
+def test_rank_frozen_mid_backward_is_named(tmp_path):
+    # Rank 1 SIGSTOPs itself from a hook on its loss: inside autograd, in step 3. Rank 0's gradient
+    # all-reduce times out after dist.timeout_s=10; the 45 s bound counts from the stop (start-up
+    # on a loaded machine is not what is measured) and is under 10 s + torchrun's 30 s grace wait.
+    proc, seen = start(TORCHRUN_2, tmp_path / "run", "trainer.max_steps=20", "dist.timeout_s=10",
+                       "fault.kill_rank=1", "fault.at_step=3", "fault.mode=stop", "fault.phase=backward"), []
+    read_until(proc, "rank 1 stops itself (SIGSTOP) in step 3 (backward)", seen)
+    out = finish(proc, seen, timeout=45)
+    assert proc.returncode != 0
+    assert "RankStopped: rank 0 was in step 3 (backward) when its collective timed out" in out, out[-6000:]
+    assert "stopped: rank 1 in step 3 (backward): frozen (stopped by a signal or a debugger); killed" in out
+
+
+def rank_pid(agent_pid: int, rank: int) -> int:
+    """The worker of torchrun agent `agent_pid` that runs `rank` (from its environment)."""
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/stat") as fh:
+                ppid = int(fh.read().rsplit(")", 1)[1].split()[1])
+            if ppid != agent_pid:
+                continue
+            with open(f"/proc/{pid}/environ", "rb") as fh:
+                env = dict(kv.split(b"=", 1) for kv in fh.read().split(b"\0") if b"=" in kv)
+        except OSError:
+            continue
+        if env.get(b"RANK") == str(rank).encode():
+            return int(pid)
+    raise AssertionError(f"no worker with RANK={rank} under torchrun pid {agent_pid}")
+
+
+def test_rank_frozen_from_outside_is_named(tmp_path):
+    proc, seen = start(TORCHRUN_2, tmp_path / "run", "trainer.max_steps=1000", "dist.timeout_s=10"), []
+    read_until(proc, "step 3/1000 |", seen)
+    os.kill(rank_pid(proc.pid, 1), signal.SIGSTOP)  # wherever it is: every step has a collective
+    out = finish(proc, seen, timeout=45)  # as above: 10 s + margin, under 10 s + torchrun's 30 s grace
+    assert proc.returncode != 0
+    assert "RankStopped: rank 0 was in step" in out, out[-6000:]
+    assert "stopped: rank 1 in step" in out and "frozen (stopped by a signal or a debugger); killed" in out
