@@ -32,8 +32,11 @@ STRATEGIES ?= ddp,zero1,zero2,deepspeed,torch_zero,fsdp
 run: install
 	$(PY) train.py -m experiment=compare strategy=$(STRATEGIES) $(ARGS)
 
+# The whole suite, cheap tier first: a broken formula fails in a minute, before the
+# multi-process tier (torchrun, DeepSpeed, Slurm) spends its half hour.
 test: install slurm-deps
-	$(PY) -m pytest $(ARGS)
+	$(PY) -m pytest -m "not slow" $(ARGS)
+	$(PY) -m pytest -m slow $(ARGS)
 
 # The fast tier: unit and in-process tests, no torchrun, no DeepSpeed (tests/conftest.py: tiers).
 test-fast: install
