@@ -96,10 +96,13 @@ def test_corrupt_newest_falls_back_to_previous(tmp_path, ddp_run):
 
 
 def _meta_edit(ckpt, **changes):
+    """Edits meta.json and rewrites its own digest to match (what a deliberate edit would do)."""
+    from zerolab.checkpoint import _meta_text
+
     path = ckpt / "meta.json"
     meta = json.loads(path.read_text())
     meta.update(changes)
-    path.write_text(json.dumps(meta))
+    path.write_text(_meta_text(meta))
 
 
 def test_bad_input_errors_name_file_and_mismatch(tmp_path, ddp_run):
@@ -177,10 +180,9 @@ def test_pickled_callable_is_refused(tmp_path, ddp_run):
     ck = _copy_ckpts(ddp_run, tmp_path) / "step_00000004"
     shutil.copy(evil, ck / "rank0.safetensors")
     import hashlib
-    meta = json.loads((ck / "meta.json").read_text())
-    meta["files"]["rank0.safetensors"].update(bytes=evil.stat().st_size,
-                                              sha256=hashlib.sha256(evil.read_bytes()).hexdigest())
-    (ck / "meta.json").write_text(json.dumps(meta))
+    files = json.loads((ck / "meta.json").read_text())["files"]
+    files["rank0.safetensors"].update(bytes=evil.stat().st_size, sha256=hashlib.sha256(evil.read_bytes()).hexdigest())
+    _meta_edit(ck, files=files)
     verify(str(ck))
     with pytest.raises(CheckpointError, match="rank0.safetensors: not a readable safetensors file"):
         export(str(ck), str(tmp_path / "out.safetensors"))
