@@ -261,4 +261,6 @@ def run(dcfg: DictConfig | Config) -> Optional[dict]:
             trainer.progress.blame(err)  # raises naming the rank that stopped, if one did
         raise
     finally:
+        if trainer is not None:
+            trainer.strategy.close()
         zdist.shutdown(ctx)
