@@ -140,8 +140,10 @@ def load_torch_file(path: str, map_location: str = "cpu"):
 # global beyond torch's tensors and plain containers and the few DeepSpeed classes below, and
 # (2) inside `safe_torch_load`, which turns each of DeepSpeed's torch.load calls into a
 # weights_only one with the same allow-list, so a payload the scan could not see is refused too.
-# The list: every global in DeepSpeed 0.19.8's ZeRO stage 0-2 checkpoints (fp32, bf16, fp16) that
-# torch does not allow by default, as torch.serialization.get_unsafe_globals_in_checkpoint reports.
+# The list: the globals torch does not allow by default that DeepSpeed 0.19.8's ZeRO checkpoints
+# hold, as torch.serialization.get_unsafe_globals_in_checkpoint reports them on saved stage-1 and
+# stage-2 checkpoints (CPU, fp32 and bf16), plus DynamicLossScaler, the class fp16's dynamic loss
+# scaling saves in LossScaler's place (fp16 cannot run on the CPU accelerator here).
 DEEPSPEED_GLOBALS = (
     "deepspeed.runtime.fp16.loss_scaler.LossScaler",
     "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler",
@@ -157,7 +159,7 @@ def check_torch_file(path: str, allowed=DEEPSPEED_GLOBALS) -> None:
 
     try:
         unsafe = get_unsafe_globals_in_checkpoint(path)
-    except (ValueError, RuntimeError, KeyError, OSError) as err:  # not a torch.save zip archive
+    except Exception as err:  # noqa: BLE001  (not a torch.save zip archive, or a malformed pickle)
         raise CheckpointError(f"{path}: refused, it is not a torch.save archive zerolab can inspect without "
                               f"unpickling it ({type(err).__name__}: {err})") from err
     refused = sorted(g for g in unsafe if g not in allowed)
