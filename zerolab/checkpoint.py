@@ -3,7 +3,8 @@
 On disk (checkpoint.dir, default <run dir>/checkpoints):
 
   step_00000020/
-    meta.json            written by rank 0: step, world size, strategy, precision, optimizer,
+    meta.json            written by rank 0 (its field "meta_sha256" is the digest of the rest):
+                         step, world size, strategy, precision, optimizer,
                          config, LR schedule, loss scaler, sampler position, optimizer scalars
                          (the step counter), versions, the piece index, and the sha256 and size
                          of every rank file
@@ -18,6 +19,7 @@ the directory into place, and only then replaces `latest`; a crash at any point 
 previous checkpoint intact. Loading asks the strategy which element ranges it owns now and
 assembles each from whatever pieces were saved, so N ranks of ddp/zero1/zero2 load into M ranks
 of any of them. Tensors are read with safetensors and metadata is JSON: nothing is unpickled.
+DeepSpeed's own .pt files are scanned for globals and loaded weights_only (see DEEPSPEED_GLOBALS).
 """
 from __future__ import annotations
 
@@ -554,23 +556,24 @@ class Checkpointer:
                 shutil.rmtree(tmp, ignore_errors=True)
                 os.makedirs(tmp)
             except OSError as err:
-                failure = self._failure(step, err)
+                failure = self._failure(step, err, tmp)
         self._agree(ctx.gather_objects(failure), tmp)
         native = _is_deepspeed(strategy)
-        report = None
+        report, where = None, os.path.join(tmp, DS_TAG) if native else os.path.join(tmp, f"rank{ctx.rank}.safetensors")
         try:
             if native:  # DeepSpeed writes its partitioned state itself (torch.save files, see README)
                 strategy.engine.save_checkpoint(tmp, tag=DS_TAG, save_latest=False)
+            where = os.path.join(tmp, f"rank{ctx.rank}.safetensors")
             report = self._write_rank_file(tmp, step, strategy, native)
         except Exception as err:  # noqa: BLE001  (torch.save reports a full disk as RuntimeError)
-            failure = self._failure(step, err)
+            failure = self._failure(step, err, where)
         reports = ctx.gather_objects(report if failure is None else {"failure": failure})
         self._agree([r.get("failure") for r in reports], tmp)
         if ctx.is_main:
             try:
                 self._publish(tmp, final, name, step, strategy, schedule, sampler, reports, native)
             except OSError as err:
-                failure = self._failure(step, err)
+                failure = self._failure(step, err, os.path.join(tmp, META))
         self._agree([ctx.broadcast_object(failure)], tmp)
         if ctx.is_main:
             log.info("checkpoint: step %d saved to %s", step, final)
@@ -607,14 +610,14 @@ class Checkpointer:
         _write_text_atomic(os.path.join(self.dir, LATEST), name + "\n")
         self._prune()
 
-    def _failure(self, step: int, err: Exception) -> str:
+    def _failure(self, step: int, err: Exception, writing: str) -> str:
         """One paragraph: where, what happened, how much space it needs, what to do."""
         import errno
 
-        where = getattr(err, "filename", None) or self.dir
+        where = getattr(err, "filename", None) or writing  # a failed write() names no file
         prev = next(iter(list_checkpoints(self.dir)), None)
         try:
-            free = f", {shutil.disk_usage(self.dir).free} bytes free there now"
+            free = f", {shutil.disk_usage(self.dir).free} bytes were free when it failed"
         except OSError:
             free = ""
         if getattr(err, "errno", None) in (errno.ENOSPC, errno.EDQUOT):
