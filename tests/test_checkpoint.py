@@ -95,11 +95,46 @@ def test_corrupt_newest_falls_back_to_previous(tmp_path, ddp_run):
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
+def test_flipped_digit_in_meta_falls_back(tmp_path, ddp_run):
+    """meta.json's own digest: `"step": 4` -> `6` (a valid-looking value) is a corrupt checkpoint."""
+    ck = _copy_ckpts(ddp_run, tmp_path)
+    mpath = ck / "step_00000004" / "meta.json"
+    text = mpath.read_text()
+    assert text.count('"step": 4,') == 1
+    mpath.write_text(text.replace('"step": 4,', '"step": 6,'))
+    run = tmp_path / "resumed"
+    proc = run_train(run, 2, *TINY, "trainer.max_steps=4", f"checkpoint.dir={ck}", "checkpoint.resume=auto")
+    out = proc.stdout + proc.stderr
+    assert f"{mpath}: its content does not match its own sha256" in out
+    assert f"falling back to {ck / 'step_00000002'}" in out and "resumed at step 2" in out
+    assert [r["step"] for r in read_metrics(run)] == [3, 4]
+
+
+def test_meta_fields_are_validated(tmp_path, ddp_run):
+    """A meta.json rewritten with a matching digest still has to make sense field by field."""
+    from zerolab.checkpoint import CheckpointError, verify
+
+    ck = _copy_ckpts(ddp_run, tmp_path) / "step_00000004"
+    for changes, match in [({"step": -4}, "field 'step' is -4, expected an integer >= 0"),
+                           ({"step": 6}, "field 'step' is 6, but the directory is step_00000004"),
+                           ({"world_size": 0}, "field 'world_size' is 0, expected an integer >= 1"),
+                           ({"files": {"../../x": {"rank": 0, "bytes": 1, "sha256": "0" * 64}}},
+                            "names '../../x', outside the checkpoint directory")]:
+        saved = (ck / "meta.json").read_text()
+        _meta_edit(ck, **changes)
+        with pytest.raises(CheckpointError, match=match):
+            verify(str(ck))
+        (ck / "meta.json").write_text(saved)
+
+
 def _meta_edit(ckpt, **changes):
+    """Edits meta.json and rewrites its own digest to match (what a deliberate edit would do)."""
+    from zerolab.checkpoint import _meta_text
+
     path = ckpt / "meta.json"
     meta = json.loads(path.read_text())
     meta.update(changes)
-    path.write_text(json.dumps(meta))
+    path.write_text(_meta_text(meta))
 
 
 def test_bad_input_errors_name_file_and_mismatch(tmp_path, ddp_run):
@@ -177,10 +212,9 @@ def test_pickled_callable_is_refused(tmp_path, ddp_run):
     ck = _copy_ckpts(ddp_run, tmp_path) / "step_00000004"
     shutil.copy(evil, ck / "rank0.safetensors")
     import hashlib
-    meta = json.loads((ck / "meta.json").read_text())
-    meta["files"]["rank0.safetensors"].update(bytes=evil.stat().st_size,
-                                              sha256=hashlib.sha256(evil.read_bytes()).hexdigest())
-    (ck / "meta.json").write_text(json.dumps(meta))
+    files = json.loads((ck / "meta.json").read_text())["files"]
+    files["rank0.safetensors"].update(bytes=evil.stat().st_size, sha256=hashlib.sha256(evil.read_bytes()).hexdigest())
+    _meta_edit(ck, files=files)
     verify(str(ck))
     with pytest.raises(CheckpointError, match="rank0.safetensors: not a readable safetensors file"):
         export(str(ck), str(tmp_path / "out.safetensors"))

@@ -3,7 +3,8 @@
 On disk (checkpoint.dir, default <run dir>/checkpoints):
 
   step_00000020/
-    meta.json            written by rank 0: step, world size, strategy, precision, optimizer,
+    meta.json            written by rank 0 (its field "meta_sha256" is the digest of the rest):
+                         step, world size, strategy, precision, optimizer,
                          config, LR schedule, loss scaler, sampler position, optimizer scalars
                          (the step counter), versions, the piece index, and the sha256 and size
                          of every rank file
@@ -18,6 +19,7 @@ the directory into place, and only then replaces `latest`; a crash at any point 
 previous checkpoint intact. Loading asks the strategy which element ranges it owns now and
 assembles each from whatever pieces were saved, so N ranks of ddp/zero1/zero2 load into M ranks
 of any of them. Tensors are read with safetensors and metadata is JSON: nothing is unpickled.
+DeepSpeed's own .pt files are scanned for globals and loaded weights_only (see DEEPSPEED_GLOBALS).
 """
 from __future__ import annotations
 
@@ -32,6 +34,7 @@ import re
 import shutil
 import struct
 import sys
+from contextlib import contextmanager
 from dataclasses import asdict
 from typing import Callable, Optional
 
@@ -42,7 +45,7 @@ from zerolab.errors import ZerolabError
 log = logging.getLogger("zerolab")
 
 FORMAT = "zerolab-checkpoint"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: meta.json carries "meta_sha256", a digest of its other fields (1 had none)
 RESHARDABLE = ("ddp", "zero1", "zero2")  # strategies whose checkpoints share this piece format
 META, LATEST = "meta.json", "latest"
 _STEP_RE = re.compile(r"^step_(\d{8,})$")
@@ -59,6 +62,7 @@ class CheckpointError(ZerolabError):
 # stream its pieces, and lets export hold one tensor at a time.
 _ST_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
               torch.uint8: "U8", torch.int8: "I8", torch.int32: "I32", torch.int64: "I64", torch.bool: "BOOL"}
+_DTYPE_NAMES = {str(d).removeprefix("torch.") for d in _ST_DTYPES}
 EXPORT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -131,6 +135,79 @@ def load_torch_file(path: str, map_location: str = "cpu"):
     except pickle.UnpicklingError as err:
         raise CheckpointError(f"{path}: refused, it holds pickled objects other than tensors and plain "
                               f"containers, which zerolab never unpickles ({str(err).splitlines()[0]})") from err
+
+
+# ---- DeepSpeed's torch.save files -----------------------------------------------------------------
+# DeepSpeed writes its checkpoints with torch.save and reads them with torch.load(weights_only=False),
+# which would run any code a replaced file carries. zerolab lets DeepSpeed (and its zero_to_fp32
+# consolidation) open a .pt file only after (1) a static scan of the file's pickle refused every
+# global beyond torch's tensors and plain containers and the few DeepSpeed classes below, and
+# (2) inside `safe_torch_load`, which turns each of DeepSpeed's torch.load calls into a
+# weights_only one with the same allow-list, so a payload the scan could not see is refused too.
+# The list: the globals torch does not allow by default that DeepSpeed 0.19.8's ZeRO checkpoints
+# hold, as torch.serialization.get_unsafe_globals_in_checkpoint reports them on saved stage-1 and
+# stage-2 checkpoints (CPU, fp32 and bf16), plus DynamicLossScaler, the class fp16's dynamic loss
+# scaling saves in LossScaler's place (fp16 cannot run on the CPU accelerator here).
+DEEPSPEED_GLOBALS = (
+    "deepspeed.runtime.fp16.loss_scaler.LossScaler",
+    "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler",
+    "deepspeed.runtime.zero.config.ZeroStageEnum",
+    "deepspeed.utils.tensor_fragment.fragment_address",
+)
+
+
+def check_torch_file(path: str, allowed=DEEPSPEED_GLOBALS) -> None:
+    """Refuses a torch.save file whose pickle names a global outside torch's weights_only set and
+    `allowed`, without unpickling anything (the pickle opcodes are read, never run)."""
+    from torch.serialization import get_unsafe_globals_in_checkpoint
+
+    try:
+        unsafe = get_unsafe_globals_in_checkpoint(path)
+    except Exception as err:  # noqa: BLE001  (not a torch.save zip archive, or a malformed pickle)
+        raise CheckpointError(f"{path}: refused, it is not a torch.save archive zerolab can inspect without "
+                              f"unpickling it ({type(err).__name__}: {err})") from err
+    refused = sorted(g for g in unsafe if g not in allowed)
+    if refused:
+        raise CheckpointError(f"{path}: refused, its pickle names {', '.join(refused)}, which is not a tensor, a plain "
+                              f"container or one of the DeepSpeed classes its checkpoints hold; zerolab never "
+                              f"unpickles it. Delete this checkpoint or restore it from a trusted copy")
+
+
+def _allowed_objects(names) -> list:
+    import importlib
+
+    out = []
+    for name in names:
+        module, attr = name.rsplit(".", 1)
+        try:
+            out.append(getattr(importlib.import_module(module), attr))
+        except (ImportError, AttributeError):
+            continue  # another DeepSpeed version: a file that needs it is refused, never run
+    return out
+
+
+@contextmanager
+def safe_torch_load(allowed=DEEPSPEED_GLOBALS):
+    """Within: every torch.load (DeepSpeed's included, which ask for weights_only=False) is a
+    weights_only load that accepts only torch's safe set and `allowed`."""
+    import pickle
+
+    original = torch.load
+
+    def load(f, *args, **kwargs):
+        kwargs["weights_only"] = True
+        try:
+            return original(f, *args, **kwargs)
+        except pickle.UnpicklingError as err:
+            raise CheckpointError(f"{f}: refused while loading, it holds pickled objects outside the allow-list "
+                                  f"({str(err).splitlines()[0]})") from err
+
+    torch.load = load
+    try:
+        with torch.serialization.safe_globals(_allowed_objects(allowed)):
+            yield
+    finally:
+        torch.load = original
 
 
 # ---- what a model and an optimizer look like ------------------------------------------------------
@@ -237,6 +314,16 @@ class PieceReader:
         return {k: f.get_tensor(k) for k in f.keys() if k.startswith("rng/")}
 
 
+def _meta_digest(meta: dict) -> str:
+    """sha256 of meta.json's canonical form (sorted keys, no whitespace) without the digest itself."""
+    body = {k: v for k, v in meta.items() if k != "meta_sha256"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def _meta_text(meta: dict) -> str:
+    return json.dumps({**meta, "meta_sha256": _meta_digest(meta)}, indent=1)
+
+
 def read_meta(path: str) -> dict:
     mpath = os.path.join(path, META)
     if not os.path.exists(mpath):
@@ -253,7 +340,63 @@ def read_meta(path: str) -> dict:
         raise CheckpointError(f"{mpath}: format version {version} is newer than this zerolab reads "
                               f"({FORMAT_VERSION}); load it with the zerolab version that wrote it "
                               f"({meta.get('versions', {}).get('zerolab', '?')}) or newer")
+    # Version 1 had no digest; from 2 on one is required, and any one present must match.
+    if version >= 2 or "meta_sha256" in meta:
+        if meta.get("meta_sha256") != _meta_digest(meta):
+            raise CheckpointError(f"{mpath}: its content does not match its own sha256 (meta_sha256): the "
+                                  f"file was changed or corrupted after it was written")
+    _validate_meta(meta, mpath, os.path.basename(os.path.normpath(path)))
     return meta
+
+
+def _validate_meta(meta: dict, mpath: str, dirname: str) -> None:
+    """Every field zerolab reads, by type and range: a checksum catches corruption, this catches a
+    meta.json that was rewritten (with its digest) into something zerolab would misread."""
+    def bad(field, why):
+        raise CheckpointError(f"{mpath}: field {field!r} {why}; the checkpoint is corrupt")
+
+    def is_int(v, lo=0):
+        return isinstance(v, int) and not isinstance(v, bool) and v >= lo
+
+    def want(field, ok, what):
+        if not ok(meta.get(field)):
+            bad(field, f"is {meta.get(field)!r}, expected {what}")
+
+    want("step", is_int, "an integer >= 0")
+    want("world_size", lambda v: is_int(v, 1), "an integer >= 1")
+    for field in ("strategy", "precision", "optimizer"):
+        want(field, lambda v: isinstance(v, str) and v != "", "a name")
+    for field in ("config", "lr_schedule", "loss_scaler", "sampler", "optimizer_scalars", "aliases", "pieces", "files"):
+        want(field, lambda v: isinstance(v, dict), "an object")
+    want("state_dict_keys", lambda v: isinstance(v, list) and all(isinstance(k, str) for k in v), "a list of names")
+    want("buffers", lambda v: isinstance(v, list), "a list")
+    want("params", lambda v: isinstance(v, dict) and all(
+        isinstance(s, list) and all(is_int(d) for d in s) for s in v.values()), "names -> shapes")
+    m = _STEP_RE.match(dirname)
+    if m and int(m.group(1)) != meta["step"]:
+        bad("step", f"is {meta['step']}, but the directory is {dirname}")
+    sampler = meta["sampler"]
+    if not (is_int(sampler.get("next_step")) and is_int(sampler.get("seed")) and is_int(sampler.get("global_batch"), 1)):
+        bad("sampler", f"is {sampler!r}, expected next_step, seed >= 0 and global_batch >= 1")
+    if not isinstance(meta["lr_schedule"].get("next_lr", 0.0), (int, float)):
+        bad("lr_schedule", "has a non-numeric next_lr")
+    for fname, info in meta["files"].items():
+        # names stay inside the checkpoint directory
+        if os.path.isabs(fname) or ".." in fname.split("/") or not fname:
+            bad("files", f"names {fname!r}, outside the checkpoint directory")
+        if not (isinstance(info, dict) and is_int(info.get("bytes")) and isinstance(info.get("sha256"), str)
+                and re.fullmatch(r"[0-9a-f]{64}", info["sha256"]) and (info.get("rank") is None or is_int(info["rank"]))):
+            bad("files", f"has a malformed entry for {fname!r}: {info!r}")
+    for key, pieces in meta["pieces"].items():
+        for pc in pieces if isinstance(pieces, list) else [None]:
+            if not (isinstance(pc, dict) and pc.get("file") in meta["files"] and isinstance(pc.get("tensor"), str)
+                    and is_int(pc.get("start")) and is_int(pc.get("end")) and pc["start"] <= pc["end"]
+                    and pc.get("dtype") in _DTYPE_NAMES):
+                bad("pieces", f"has a malformed piece of {key!r}: {pc!r}")
+    if meta["strategy"] == "deepspeed":
+        ds = meta.get("deepspeed")
+        if not (isinstance(ds, dict) and ds.get("tag") == DS_TAG and is_int(ds.get("stage")) and ds["stage"] <= 3):
+            bad("deepspeed", f"is {ds!r}, expected {{'tag': {DS_TAG!r}, 'stage': 0..3, ...}}")
 
 
 def verify(path: str, checksums: bool = True) -> dict:
@@ -269,6 +412,16 @@ def verify(path: str, checksums: bool = True) -> dict:
             raise CheckpointError(f"{full} has {size} bytes, the checkpoint recorded {info['bytes']}: truncated or corrupt")
         if checksums and _sha256(full) != info["sha256"]:
             raise CheckpointError(f"{full}: sha256 does not match the one recorded in {META}: corrupt")
+        if not fname.endswith(".safetensors"):
+            check_torch_file(full)  # DeepSpeed's torch.save files: refused before anything opens them
+    if meta["strategy"] == "deepspeed":  # DeepSpeed finds its files by pattern: no unrecorded ones
+        ds_dir = os.path.join(path, meta["deepspeed"]["tag"])
+        for root, _, names in os.walk(ds_dir):
+            for n in names:
+                rel = os.path.relpath(os.path.join(root, n), path)
+                if rel not in meta["files"]:
+                    raise CheckpointError(f"{os.path.join(path, rel)} is not recorded in {META}: the checkpoint was "
+                                          f"changed after it was written; remove that file or the checkpoint")
     return meta
 
 
@@ -390,19 +543,46 @@ class Checkpointer:
                               f"checkpoints yet; use one of {', '.join(RESHARDABLE)} or deepspeed, or checkpoint.every=0")
 
     def save(self, step: int, strategy, schedule, sampler) -> str:
-        """Collective. Every rank writes its pieces; rank 0 writes meta.json and publishes."""
+        """Collective. Every rank writes its pieces; rank 0 writes meta.json and publishes.
+        A failure on any rank (disk full, say) fails the save on every rank together: outcomes
+        are agreed by the collectives the save needs anyway, the temp directory is removed, the
+        previous checkpoint stays as it was, and a CheckpointError says what happened."""
         ctx, name = self.ctx, f"step_{step:08d}"
         tmp, final = os.path.join(self.dir, f".tmp-{name}"), os.path.join(self.dir, name)
         if self.layout["buffers"]:
             raise CheckpointError(f"model buffers {self.layout['buffers']} are not saved by zerolab checkpoints yet")
+        failure = None
         if ctx.is_main:
-            os.makedirs(self.dir, exist_ok=True)
-            shutil.rmtree(tmp, ignore_errors=True)
-            os.makedirs(tmp)
-        ctx.barrier()
+            try:
+                os.makedirs(self.dir, exist_ok=True)
+                shutil.rmtree(tmp, ignore_errors=True)
+                os.makedirs(tmp)
+            except OSError as err:
+                failure = self._failure(step, err, tmp)
+        self._agree(ctx.gather_objects(failure), tmp)
         native = _is_deepspeed(strategy)
-        if native:  # DeepSpeed writes its partitioned state itself (torch.save files, see README)
-            strategy.engine.save_checkpoint(tmp, tag=DS_TAG, save_latest=False)
+        report, where = None, os.path.join(tmp, DS_TAG) if native else os.path.join(tmp, f"rank{ctx.rank}.safetensors")
+        try:
+            if native:  # DeepSpeed writes its partitioned state itself (torch.save files, see README)
+                strategy.engine.save_checkpoint(tmp, tag=DS_TAG, save_latest=False)
+            where = os.path.join(tmp, f"rank{ctx.rank}.safetensors")
+            report = self._write_rank_file(tmp, step, strategy, native)
+        except Exception as err:  # noqa: BLE001  (torch.save reports a full disk as RuntimeError)
+            failure = self._failure(step, err, where)
+        reports = ctx.gather_objects(report if failure is None else {"failure": failure})
+        self._agree([r.get("failure") for r in reports], tmp)
+        if ctx.is_main:
+            try:
+                self._publish(tmp, final, name, step, strategy, schedule, sampler, reports, native)
+            except OSError as err:
+                failure = self._failure(step, err, os.path.join(tmp, META))
+        self._agree([ctx.broadcast_object(failure)], tmp)
+        if ctx.is_main:
+            log.info("checkpoint: step %d saved to %s", step, final)
+        return final
+
+    def _write_rank_file(self, tmp: str, step: int, strategy, native: bool) -> dict:
+        ctx = self.ctx
         pieces = {} if native else strategy.checkpoint_state()
         entries, index = [], []
         for key, pc in sorted(pieces.items()):
@@ -414,27 +594,60 @@ class Checkpointer:
             entries.append((key, t.dtype, tuple(t.shape), lambda t=t: t))
         fname = f"rank{ctx.rank}.safetensors"
         info = write_safetensors(os.path.join(tmp, fname), entries, {"format": FORMAT, "rank": ctx.rank, "step": step})
-        del pieces, entries
-        report = {"file": fname, "rank": ctx.rank, **info, "pieces": index,
-                  "scalars": {} if native else optimizer_scalars(strategy.optimizer)}
-        reports = ctx.gather_objects(report)
-        if ctx.is_main:
-            meta = self._meta(step, strategy, schedule, sampler, reports)
-            if native:
-                meta["deepspeed"] = self._deepspeed_files(tmp, meta["files"])
-            _write_text_atomic(os.path.join(tmp, META), json.dumps(meta, indent=1))
-            _fsync_dir(tmp)
-            if os.path.exists(final):  # the same step saved again (a resumed run): swap it out
-                old = os.path.join(self.dir, f".old-{name}")
-                shutil.rmtree(old, ignore_errors=True)
-                os.rename(final, old)
-            os.rename(tmp, final)
-            _fsync_dir(self.dir)
-            _write_text_atomic(os.path.join(self.dir, LATEST), name + "\n")
-            self._prune()
-            log.info("checkpoint: step %d saved to %s", step, final)
-        ctx.barrier()
-        return final
+        return {"file": fname, "rank": ctx.rank, **info, "pieces": index,
+                "scalars": {} if native else optimizer_scalars(strategy.optimizer)}
+
+    def _publish(self, tmp, final, name, step, strategy, schedule, sampler, reports, native) -> None:
+        meta = self._meta(step, strategy, schedule, sampler, reports)
+        if native:
+            meta["deepspeed"] = self._deepspeed_files(tmp, meta["files"])
+        _write_text_atomic(os.path.join(tmp, META), _meta_text(meta))
+        _fsync_dir(tmp)
+        if os.path.exists(final):  # the same step saved again (a resumed run): swap it out
+            old = os.path.join(self.dir, f".old-{name}")
+            shutil.rmtree(old, ignore_errors=True)
+            os.rename(final, old)
+        os.rename(tmp, final)
+        _fsync_dir(self.dir)
+        _write_text_atomic(os.path.join(self.dir, LATEST), name + "\n")
+        self._prune()
+
+    def _failure(self, step: int, err: Exception, writing: str) -> str:
+        """One paragraph: where, what happened, how much space it needs, what to do."""
+        import errno
+
+        where = getattr(err, "filename", None) or writing  # a failed write() names no file
+        prev = next(iter(list_checkpoints(self.dir)), None)
+        try:
+            free = f", {shutil.disk_usage(self.dir).free} bytes were free when it failed"
+        except OSError:
+            free = ""
+        if getattr(err, "errno", None) in (errno.ENOSPC, errno.EDQUOT):
+            what = "no space left on the device" if err.errno == errno.ENOSPC else "disk quota exceeded"
+            need = ""
+            if prev is not None:
+                try:
+                    need = f"; the previous checkpoint took {sum(f['bytes'] for f in read_meta(prev)['files'].values())} bytes"
+                except CheckpointError:
+                    pass
+            fix = (f"free space under {self.dir} (or lower checkpoint.keep_last), or point checkpoint.dir at a "
+                   f"larger filesystem")
+            what += need + free
+        else:
+            what = getattr(err, "strerror", None) or f"{type(err).__name__}: {err}"
+            fix = f"check that {self.dir} is writable and has space{free}"
+        kept = (f"The previous checkpoint {prev} is intact: continue from it with checkpoint.resume=auto"
+                if prev else "No earlier checkpoint exists")
+        return (f"rank {self.ctx.rank}: saving the checkpoint of step {step} failed writing {where}: {what}. "
+                f"The unfinished save was removed. To fix: {fix}. {kept}.")
+
+    def _agree(self, failures: list, tmp: str) -> None:
+        """Every rank holds the same list of failures (one collective gave it to all): if any rank
+        failed, all remove the temp directory and raise together, nobody waits in a collective."""
+        failed = [f for f in failures if f]
+        if failed:
+            shutil.rmtree(tmp, ignore_errors=True)  # shared or node-local: each rank removes what it sees
+            raise CheckpointError(failed[0] + (f" ({len(failed) - 1} other rank(s) failed too)" if len(failed) > 1 else ""))
 
     def _meta(self, step, strategy, schedule, sampler, reports) -> dict:
         import safetensors
@@ -517,9 +730,10 @@ class Checkpointer:
         reader = PieceReader(path, meta)
         if meta["strategy"] == "deepspeed":
             # DeepSpeed restores its weights, optimizer state and loss scaler; its files were
-            # checksummed above, before torch.load inside DeepSpeed unpickles them.
-            loaded, _ = strategy.engine.load_checkpoint(path, tag=meta["deepspeed"]["tag"], load_optimizer_states=True,
-                                                        load_lr_scheduler_states=False)
+            # checksummed and scanned by verify(), and it loads them weights_only here.
+            with safe_torch_load():
+                loaded, _ = strategy.engine.load_checkpoint(path, tag=meta["deepspeed"]["tag"],
+                                                            load_optimizer_states=True, load_lr_scheduler_states=False)
             if loaded is None:
                 raise CheckpointError(f"{path}: DeepSpeed found no checkpoint under tag {meta['deepspeed']['tag']!r}")
         else:
@@ -588,6 +802,11 @@ def _weights(path: str, meta: dict):
 
 def export(ckpt: str, out: str, dtype: str = "fp32") -> dict:
     """Consolidated weights without optimizer state, one tensor in memory at a time."""
+    with safe_torch_load():  # DeepSpeed's consolidation opens its .pt files weights_only
+        return _export(ckpt, out, dtype)
+
+
+def _export(ckpt: str, out: str, dtype: str) -> dict:
     if dtype not in EXPORT_DTYPES:
         raise CheckpointError(f"--dtype {dtype} is not one of {', '.join(EXPORT_DTYPES)}")
     path = resolve(ckpt)
@@ -618,6 +837,11 @@ def export(ckpt: str, out: str, dtype: str = "fp32") -> dict:
 def import_weights(ckpt: str, out_root: str) -> str:
     """Any checkpoint (a DeepSpeed one included) -> a weights-only zerolab checkpoint in out_root,
     which ddp/zero1/zero2 resume from with a fresh optimizer state. Returns its path."""
+    with safe_torch_load():
+        return _import_weights(ckpt, out_root)
+
+
+def _import_weights(ckpt: str, out_root: str) -> str:
     path = resolve(ckpt)
     meta = verify(path)
     name = f"step_{meta['step']:08d}"
@@ -637,7 +861,7 @@ def import_weights(ckpt: str, out_root: str) -> str:
                                     "dtype": "float32"}] for (n, _, _), e in zip(weights, entries)},
         "files": {"rank0.safetensors": {"rank": 0, **info}},
     })
-    _write_text_atomic(os.path.join(tmp, META), json.dumps(new, indent=1))
+    _write_text_atomic(os.path.join(tmp, META), _meta_text(new))
     if os.path.exists(final):
         shutil.rmtree(final)
     os.rename(tmp, final)

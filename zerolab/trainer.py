@@ -434,6 +434,8 @@ def run(dcfg: DictConfig | Config) -> Optional[dict]:
                 stop_now(named)
         raise
     finally:
+        if trainer is not None:
+            trainer.strategy.close()
         if lock is not None:
             lock.release()  # after the last write into the directory
         zdist.shutdown(ctx)

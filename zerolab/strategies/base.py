@@ -63,6 +63,10 @@ class Strategy(abc.ABC):
     def setup(self, model: nn.Module, param_groups: list[dict], make_optimizer: OptimizerFactory) -> nn.Module:
         """Place and wrap the model, build the optimizer; returns the module to call forward on."""
 
+    def close(self) -> None:
+        """Undo whatever setup changed outside this object (process-wide patches); the trainer
+        calls it once when the run ends, successfully or not."""
+
     def no_sync(self) -> ContextManager:
         """Context for micro-batches that must not communicate (gradient accumulation)."""
         return nullcontext()

@@ -18,6 +18,8 @@ from __future__ import annotations
 import copy
 import logging
 import math
+import os
+import time
 import warnings
 from contextlib import contextmanager
 from typing import Optional
@@ -26,6 +28,7 @@ import torch
 import torch.nn as nn
 
 from zerolab.config import ConfigError
+from zerolab.errors import ZerolabError
 from zerolab.memory import StorageCounter
 from zerolab.strategies.base import OptimizerFactory, StepInfo, Strategy
 
@@ -97,6 +100,87 @@ def build_ds_config(cfg, world_size: int, grad_element_size: int) -> dict:
     return ds
 
 
+# ---- DeepSpeed's op builds ---------------------------------------------------------------------
+# DeepSpeed compiles its C++ ops on first use with torch.utils.cpp_extension, which serialises
+# builders with a `lock` file created O_EXCL in the op's build directory and removed when the build
+# ends; every other process polls for the file to go. A builder killed mid-build leaves the file,
+# and everyone after waits forever. A live builder is visible: the build runs ninja and the
+# compiler with the build directory as their working directory. So a lock with no process working
+# in its directory, older than the moment between taking the lock and starting ninja, is stale.
+LOCK_GRACE_S = 30.0  # a lock younger than this may be a builder that has not started ninja yet
+OPS_WAIT_S = 1800.0  # the longest zerolab waits for a live build of another process
+
+
+def extensions_root() -> str:
+    """Where torch puts JIT-built extensions (TORCH_EXTENSIONS_DIR, else torch's default)."""
+    from torch.utils import cpp_extension
+
+    root = os.environ.get("TORCH_EXTENSIONS_DIR")
+    if root:
+        return root
+    # torch names its default root per Python and accelerator; ask it rather than repeat the rule
+    probe = cpp_extension._get_build_directory("zerolab_probe", verbose=False)  # creates it, empty
+    try:
+        os.rmdir(probe)
+    except OSError:
+        pass  # another rank removed it first
+    return os.path.dirname(probe)
+
+
+def op_names() -> list[str]:
+    """Names of the ops DeepSpeed's accelerator here can build (their build directories' names)."""
+    import importlib
+
+    from deepspeed.accelerator import get_accelerator
+
+    module = importlib.import_module(get_accelerator().op_builder_dir())
+    return sorted({v.NAME for v in vars(module).values() if isinstance(getattr(v, "NAME", None), str)})
+
+
+def _builders_in(build_dir: str) -> list[int]:
+    """Pids of processes whose working directory is build_dir (ninja, the compiler)."""
+    want, pids = os.path.realpath(build_dir), []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                if os.path.realpath(os.readlink(f"/proc/{entry}/cwd")) == want:
+                    pids.append(int(entry))
+            except OSError:
+                continue  # gone, or not ours to look at
+    return pids
+
+
+def check_op_locks(root: str, names: list[str], wait_s: float = OPS_WAIT_S) -> None:
+    """Returns when no op build lock under root is held; waits (bounded) while a live build holds
+    one; raises a ZerolabError naming a stale lock instead of letting DeepSpeed wait on it forever."""
+    deadline, said = time.monotonic() + wait_s, set()
+    while True:
+        held = [os.path.join(root, n, "lock") for n in names if os.path.exists(os.path.join(root, n, "lock"))]
+        if not held:
+            return
+        lock = held[0]
+        try:
+            age = time.time() - os.stat(lock).st_mtime
+        except FileNotFoundError:
+            continue  # released just now
+        pids = _builders_in(os.path.dirname(lock)) if os.path.isdir("/proc") else [0]
+        if not pids and age > LOCK_GRACE_S:
+            raise ZerolabError(
+                f"DeepSpeed op build lock {lock} is stale: it is {age:.0f} s old and no process is building in "
+                f"{os.path.dirname(lock)} (a build was killed mid-way), so DeepSpeed would wait on it forever. "
+                f"Remove it (rm {lock}) and run again, which rebuilds the op; `make install` prebuilds all of "
+                f"them. If another machine shares {root} and is building there right now, wait for it instead.")
+        if time.monotonic() > deadline:
+            raise ZerolabError(f"DeepSpeed op build lock {lock} has been held for {age:.0f} s by processes "
+                               f"{pids} building in {os.path.dirname(lock)}; gave up after {wait_s:.0f} s. "
+                               f"Check those processes, or remove the lock (rm {lock}) if they are stuck.")
+        if lock not in said:
+            log.warning("waiting for another process to finish building DeepSpeed op %s (lock %s, builders %s)",
+                        os.path.basename(os.path.dirname(lock)), lock, pids or "starting")
+            said.add(lock)
+        time.sleep(1.0)  # torch's own waiters poll the lock file the same way
+
+
 class _CountingBackend:
     """Counts the bytes of every collective DeepSpeed issues through deepspeed.comm (whose backend
     object `cdb` all its ZeRO code calls), then forwards the call unchanged."""
@@ -119,10 +203,13 @@ class _CountingBackend:
             backend._zerolab_counter[0] = counter  # a second engine in the same process
             return
         backend._zerolab_counting, backend._zerolab_counter = True, [counter]
+        backend._zerolab_originals = {}
         for method, (op, arg, pos) in cls.OPS.items():
             original = getattr(backend, method, None)
             if original is None:
                 continue
+            # what to put back: an instance attribute, or nothing (then the class method shows again)
+            backend._zerolab_originals[method] = backend.__dict__.get(method)
 
             def wrapped(*args, _orig=original, _op=op, _arg=arg, _pos=pos, **kwargs):
                 full = kwargs.get(_arg, args[_pos] if len(args) > _pos else None)
@@ -135,6 +222,21 @@ class _CountingBackend:
                 return _orig(*args, **kwargs)
 
             setattr(backend, method, wrapped)
+
+    @classmethod
+    def uninstall(cls) -> None:
+        """Puts deepspeed.comm's backend back as it was before install()."""
+        import deepspeed.comm.comm as ds_comm
+
+        backend = ds_comm.cdb
+        if backend is None or not getattr(backend, "_zerolab_counting", False):
+            return
+        for method, original in backend._zerolab_originals.items():
+            if original is None:
+                delattr(backend, method)
+            else:
+                setattr(backend, method, original)
+        del backend._zerolab_counting, backend._zerolab_counter, backend._zerolab_originals
 
 
 class DeepSpeedStrategy(Strategy):
@@ -172,6 +274,8 @@ class DeepSpeedStrategy(Strategy):
                               "into one tensor, so the per-layer trust ratio becomes a per-group ratio; the "
                               "updates differ from ddp's (see the parity table of `python -m zerolab compare`)")
             client = make_optimizer(param_groups)
+        # Ops DeepSpeed builds on first use: never wait silently on a build lock nobody holds.
+        check_op_locks(extensions_root(), op_names())
         # The process group exists already (zerolab.dist): DeepSpeed adopts it.
         self.engine, _, _, _ = deepspeed.initialize(
             model=model, optimizer=client, model_parameters=None if client is not None else groups,
@@ -184,6 +288,9 @@ class DeepSpeedStrategy(Strategy):
         self.comm.pop_step()  # setup traffic is not a training step's
         self._step_mem: dict[str, int] = {}
         return self.engine
+
+    def close(self) -> None:
+        _CountingBackend.uninstall()
 
     @contextmanager
     def no_sync(self):

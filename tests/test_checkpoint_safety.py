@@ -1,0 +1,189 @@
+"""Checkpoints an attacker or a full disk got at, and DeepSpeed op builds a kill interrupted.
+
+- DeepSpeed's .pt files (torch.save pickles) with a payload planted in them, meta.json rewritten
+  to match: resume, export and import refuse, naming the file and the global; the payload never
+  runs (its marker file stays absent).
+- meta.json edited by one digit: its own digest catches it, resume=auto falls back.
+- A disk that fills during a save (a real tmpfs): one CheckpointError naming the path, no temp
+  directory left, the previous checkpoint resumes.
+- A stale op build lock: the DeepSpeed run fails naming it instead of waiting forever.
+- The DeepSpeed strategy puts deepspeed.comm's backend back when the run ends.
+"""
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import ROOT, TORCHRUN, base_env, read_metrics, run_python, run_train
+
+pytestmark = pytest.mark.slow  # every test here starts processes (see conftest: tiers)
+
+TINY = ["model=gpt_tiny", "data=text", "trainer.eval_every=0", "data.micro_batch=4", "optim.warmup_steps=2"]
+DS = ["strategy=deepspeed", "strategy.stage=2"]
+
+
+class _Evil:
+    """Unpickling this runs a shell command: what a malicious checkpoint would carry."""
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def _rewrite_meta(ckpt: Path) -> None:
+    """Re-record every file's size and sha256 and re-digest meta.json: an attacker's full rewrite."""
+    from zerolab.checkpoint import _meta_text
+
+    meta = json.loads((ckpt / "meta.json").read_text())
+    for fname, info in meta["files"].items():
+        data = (ckpt / fname).read_bytes()
+        info.update(bytes=len(data), sha256=hashlib.sha256(data).hexdigest())
+    (ckpt / "meta.json").write_text(_meta_text(meta))
+
+
+@pytest.fixture(scope="module")
+def ds_run(tmp_path_factory):
+    pytest.importorskip("deepspeed")
+    run = tmp_path_factory.mktemp("ds")
+    run_train(run, 2, *TINY, *DS, "trainer.max_steps=2", "checkpoint.every=1")
+    return run
+
+
+def test_deepspeed_pickle_payload_never_runs(tmp_path, ds_run):
+    from zerolab.checkpoint import CheckpointError, safe_torch_load, verify
+
+    marker = tmp_path / "pwned"
+    evil = tmp_path / "evil.pt"
+    torch.save({"optimizer_state_dict": {}, "payload": _Evil(marker)}, evil)
+    ck = tmp_path / "checkpoints"
+    shutil.copytree(ds_run / "checkpoints", ck)
+    steps = sorted(p for p in ck.iterdir() if p.name.startswith("step_"))
+    assert len(steps) == 2
+
+    # One file at a time: verify() names exactly that file and the global, before anything loads it.
+    clean = tmp_path / "clean"
+    shutil.copytree(steps[-1], clean)
+    pts = sorted(f for f in json.loads((clean / "meta.json").read_text())["files"] if f.endswith(".pt"))
+    assert len(pts) == 3  # model states + one optimizer partition per rank
+    for fname in pts:
+        victim = tmp_path / f"one-{Path(fname).name}"
+        shutil.copytree(clean, victim)
+        shutil.copy(evil, victim / fname)
+        _rewrite_meta(victim)
+        with pytest.raises(CheckpointError, match=rf"{victim / fname}: refused, its pickle names posix.system"):
+            verify(str(victim))
+
+    # Every file of both checkpoints planted: resume, export and import all refuse.
+    for step in steps:
+        for fname in json.loads((step / "meta.json").read_text())["files"]:
+            shutil.copy(evil, step / fname)
+        _rewrite_meta(step)
+    proc = run_train(tmp_path / "resumed", 2, *TINY, *DS, "trainer.max_steps=3", f"checkpoint.dir={ck}",
+                     "checkpoint.resume=auto", check=False)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert f"{steps[-1]}/deepspeed/mp_rank_00_model_states.pt: refused, its pickle names posix.system" in out
+    assert f"no usable checkpoint in {ck}" in out
+    for args in (["--out", str(tmp_path / "m.safetensors")], ["--as-checkpoint", "--out", str(tmp_path / "imp")]):
+        proc = run_python("-m", "zerolab", "export", str(steps[-1]), *args, check=False)
+        assert proc.returncode == 1 and "refused, its pickle names posix.system" in proc.stderr, proc.stderr
+    assert not (tmp_path / "imp").exists() and not (tmp_path / "m.safetensors").exists()
+
+    # The second line of defence: inside safe_torch_load even DeepSpeed's weights_only=False is refused.
+    with safe_torch_load(), pytest.raises(CheckpointError, match=f"{evil}: refused while loading"):
+        torch.load(evil, weights_only=False)
+    assert not marker.exists(), "the payload ran"
+
+
+def test_unrecorded_deepspeed_file_is_refused(tmp_path, ds_run):
+    """DeepSpeed finds partitions by file-name pattern: a file meta.json does not list is refused."""
+    from zerolab.checkpoint import CheckpointError, verify
+
+    step = tmp_path / "step_00000002"
+    shutil.copytree(ds_run / "checkpoints" / "step_00000002", step)
+    extra = step / "deepspeed" / "zero_pp_rank_2_mp_rank_00_optim_states.pt"
+    shutil.copy(step / "deepspeed" / "zero_pp_rank_1_mp_rank_00_optim_states.pt", extra)
+    with pytest.raises(CheckpointError, match=f"{extra} is not recorded in meta.json"):
+        verify(str(step))
+
+
+def test_disk_full_during_save(tmp_path):
+    """A tmpfs that holds one checkpoint of gpt_tiny under ddp but not two: the second save fails."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs needs root (this test fills a real filesystem)")
+    from zerolab.config import compose
+    from zerolab.models import build_model
+
+    n = sum(p.numel() for p in build_model(compose(["model=gpt_tiny"]).model, device="meta").parameters())
+    one = 12 * n + 64 * 1024  # fp32 master + Adam's two moments, plus RNG, headers and meta.json (< 64 KiB)
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    # 1.6 checkpoints: the first save fits with room to spare, the second cannot
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={int(1.6 * one)}", "tmpfs", str(mnt)],
+                             capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
+    try:
+        ck = mnt / "checkpoints"
+        proc = run_train(tmp_path / "run", 2, *TINY, "trainer.max_steps=3", "checkpoint.every=1",
+                         f"checkpoint.dir={ck}", check=False)
+        out = proc.stdout + proc.stderr
+        assert proc.returncode != 0
+        assert (f"saving the checkpoint of step 2 failed writing {ck / '.tmp-step_00000002' / 'rank0.safetensors'}: "
+                "no space left on the device; the previous checkpoint took" in out
+                and f"The previous checkpoint {ck / 'step_00000001'} is intact" in out), out[-3000:]
+        assert out.count("CheckpointError") <= 2 * 2  # one error per rank (type and message; no cascade)
+        assert sorted(os.listdir(ck)) == ["latest", "step_00000001"]  # no .tmp-step_* left behind
+        run = tmp_path / "resumed"
+        proc = run_train(run, 2, *TINY, "trainer.max_steps=2", f"checkpoint.dir={ck}", "checkpoint.resume=auto")
+        assert "resumed at step 1" in proc.stdout + proc.stderr
+        assert [r["step"] for r in read_metrics(run)] == [2]
+    finally:
+        subprocess.run(["umount", str(mnt)], check=False)
+
+
+def test_stale_op_build_lock_fails_fast(tmp_path):
+    """A copy of the extensions cache with a `lock` left by a build that was killed: the run names
+    the lock (without zerolab's check it waits on it until the subprocess timeout)."""
+    pytest.importorskip("deepspeed")
+    from zerolab.strategies.deepspeed import extensions_root, op_names
+
+    src, ext = extensions_root(), tmp_path / "torch_extensions"
+    ext.mkdir()
+    for name in op_names():
+        if os.path.isdir(os.path.join(src, name)):
+            shutil.copytree(os.path.join(src, name), ext / name, ignore=shutil.ignore_patterns("lock"))
+    (ext / "fused_adam").mkdir(exist_ok=True)
+    lock = ext / "fused_adam" / "lock"
+    lock.touch()
+    os.utime(lock, (1_000_000_000, 1_000_000_000))  # created long ago (2001), by a builder long gone
+    proc = run_train(tmp_path / "run", 2, *TINY, *DS, "trainer.max_steps=1", check=False,
+                     env={"TORCH_EXTENSIONS_DIR": str(ext)}, timeout=240)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert f"DeepSpeed op build lock {lock} is stale" in out and f"rm {lock}" in out, out[-3000:]
+
+
+def test_deepspeed_restores_comm_backend(tmp_path):
+    """deepspeed.comm's backend carries zerolab's counting wrappers only while the run lasts."""
+    pytest.importorskip("deepspeed")
+    script = (
+        "import sys; from zerolab.config import compose; from zerolab.trainer import run\n"
+        "import deepspeed.comm.comm as c\n"
+        f"run(compose(sys.argv[1:]))\n"
+        "b = c.cdb\n"
+        "left = [m for m in ('all_reduce', 'broadcast', 'reduce_scatter_tensor') if m in vars(b)]\n"
+        "print('cdb', 'patched' if left or hasattr(b, '_zerolab_counting') else 'restored', left)\n")
+    worker = tmp_path / "worker.py"
+    worker.write_text(script)
+    cmd = [*TORCHRUN, "--standalone", "--nproc_per_node=2", str(worker), *TINY, *DS, "trainer.max_steps=1",
+           f"run.dir={tmp_path / 'run'}", "logging.wandb.mode=disabled", "logging.progress=false"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=base_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("cdb restored []") == 2, proc.stdout[-2000:]
