@@ -46,8 +46,9 @@ def pytest_runtest_teardown(item, nextitem):
 
 def base_env(**extra) -> dict:
     env = dict(os.environ)
+    fixed_corpus()
     env.update({"OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled", "PYTHONUNBUFFERED": "1",
-                "HYDRA_FULL_ERROR": "1"})
+                "HYDRA_FULL_ERROR": "1", "ZEROLAB_CACHE": str(TEST_CACHE)})
     env.update(extra)
     return env
 
@@ -69,12 +70,16 @@ def deepspeed_ops():
 # zerolab's embedded corpus is the running interpreter's standard library, which differs between
 # Python builds: a numeric bound checked on it would be checked on different text on each machine.
 # Tests train on this one instead: sentences drawn from a fixed word list by splitmix64, a PRNG in
-# plain integer arithmetic, so the bytes depend on nothing but this code.
+# plain integer arithmetic, so the bytes depend on nothing but this code. Every process a test
+# starts gets ZEROLAB_CACHE pointing at a test cache whose "embedded corpus" file is this corpus,
+# so train.py, launch scripts and Slurm jobs all read it without an override (data.path given
+# explicitly still wins).
 _WORDS = ("the of and to in is that for it as was with be by on not he this are or his from at which "
           "but have an they you were her she there been one all we their has would when if so no will "
           "model rank shard gradient weight step batch memory optimizer state loss layer tensor bucket "
           "reduce gather scatter sum mean norm scale update master copy byte token window seed order").split()
 CORPUS_BYTES = 1 << 20  # 1 MiB: ~16k windows of 64 tokens, far more than any test reads
+TEST_CACHE = Path(tempfile.gettempdir()) / "zerolab-test-cache-v1"
 
 
 def _splitmix64(state: int):
@@ -86,13 +91,7 @@ def _splitmix64(state: int):
         yield z ^ (z >> 31)
 
 
-def fixed_corpus() -> Path:
-    """The generated test corpus as a zerolab token file (uint16 bytes), written once per machine."""
-    import numpy as np
-
-    path = Path(tempfile.gettempdir()) / "zerolab-test-corpus-v1.bin"
-    if path.exists() and path.stat().st_size == 2 * CORPUS_BYTES:
-        return path
+def generated_corpus_bytes() -> bytes:
     rng, out, size = _splitmix64(20261130), [], 0
     while size < CORPUS_BYTES:
         n = 4 + next(rng) % 12
@@ -100,25 +99,34 @@ def fixed_corpus() -> Path:
         sentence = (" ".join(words).capitalize() + (". ", "? ", ".\n")[next(rng) % 3]).encode()
         out.append(sentence)
         size += len(sentence)
-    data = np.frombuffer(b"".join(out)[:CORPUS_BYTES], dtype=np.uint8).astype(np.uint16)
+    return b"".join(out)[:CORPUS_BYTES]
+
+
+def fixed_corpus() -> Path:
+    """The generated test corpus as a zerolab token file (uint16 bytes), written once per machine,
+    under the name zerolab.data gives the embedded corpus in TEST_CACHE."""
+    import numpy as np
+
+    from zerolab.data import EMBEDDED_NAME
+
+    path = TEST_CACHE / EMBEDDED_NAME.format(*sys.version_info[:2])
+    if path.exists() and path.stat().st_size == 2 * CORPUS_BYTES:
+        return path
+    TEST_CACHE.mkdir(parents=True, exist_ok=True)
+    data = np.frombuffer(generated_corpus_bytes(), dtype=np.uint8).astype(np.uint16)
     tmp = path.with_suffix(f".tmp{os.getpid()}")
     data.tofile(tmp)
     os.replace(tmp, path)  # atomic: parallel test processes see the whole file or none
     return path
 
 
-def corpus_override(overrides) -> list[str]:
-    """`data.path=<fixed corpus>` unless the caller chose a data file itself."""
-    return [] if any(o.startswith("data.path=") for o in overrides) else [f"data.path={fixed_corpus()}"]
-
-
 def run_train(run_dir: Path, nproc: int, *overrides: str, check: bool = True, env: dict | None = None,
               timeout: float = 300) -> subprocess.CompletedProcess:
-    """torchrun train.py with 'nproc' ranks into run_dir, on the fixed test corpus (for data=text);
-    fails the test with the output on error."""
+    """torchrun train.py with 'nproc' ranks into run_dir (on the fixed test corpus, through
+    base_env); fails the test with the output on error."""
     cmd = [*TORCHRUN, "--standalone", f"--nproc_per_node={nproc}", str(ROOT / "train.py"),
            f"run.dir={run_dir}", "logging.wandb.mode=disabled", "logging.progress=false",
-           *corpus_override(overrides), *overrides]
+           *overrides]
     proc = subprocess.run(cmd, cwd=ROOT, env=base_env(**(env or {})), capture_output=True, text=True,
                           timeout=timeout)
     if check and proc.returncode != 0:

@@ -69,3 +69,15 @@ def test_truncated_token_file_is_reported(tmp_path):
     bad.write_bytes(b"\x00\x01\x02")
     with pytest.raises(ValueError, match="not a whole number of uint16 tokens"):
         TokenData(str(bad), 8, 0.1)
+
+
+def test_generated_test_corpus_is_the_same_bytes_everywhere():
+    """The tests' numeric bounds were measured on this corpus (tests/conftest.py): if the generator
+    changed, they would silently be checked on other text."""
+    import hashlib
+
+    from conftest import generated_corpus_bytes
+
+    data = generated_corpus_bytes()
+    assert len(data) == 1 << 20
+    assert hashlib.sha256(data).hexdigest() == "761125fbe24f27db07774bbc97c054dbb5751f7b4a825f0ad2aa7c893a3a0424"
