@@ -23,6 +23,7 @@ from zerolab import dist as zdist
 from zerolab.config import Config, global_batch, to_dict, validate
 from zerolab.checkpoint import Checkpointer, model_layout
 from zerolab.data import WindowSampler, build_data
+from zerolab.digest import write_digest
 from zerolab.fault import FaultInjector, ProgressBoard
 from zerolab.memory import check_against, ledger_for_run, process_memory, process_summary
 from zerolab.metrics import MetricsSink
@@ -204,6 +205,8 @@ class Trainer:
     def finish(self, loss: float, eval_loss: float, step_times: list[float], per_rank: list[dict]) -> dict:
         cfg, ctx = self.cfg, self.ctx
         weights = self.strategy.consolidated_state_dict()  # collective
+        # Fixed held-out logits and the noise-level gradient probe, for the parity report (collective).
+        digest = write_digest(self.model, self.data, cfg.model, weights, self.run_dir, ctx.is_main, ctx.device)
         self.progress.close()
         summary = {
             "final_loss": loss, "eval_loss": eval_loss, "steps": cfg.trainer.max_steps,
@@ -215,7 +218,7 @@ class Trainer:
             "peak_memory_per_rank": [{k: v for k, v in r.items() if "peak" in k or "max" in k} for r in per_rank],
             "memory_per_rank": [{k: v for k, v in r.items() if k.startswith("mem/")} for r in per_rank],
             "memory_ledger": {**self.mem_check, "process_per_rank": process_summary(per_rank)},
-            "run_dir": self.run_dir, "metrics": self.metrics.path,
+            "run_dir": self.run_dir, "metrics": self.metrics.path, "eval_digest": digest,
         }
         if ctx.is_main:
             if cfg.run.save_model and weights is not None:
