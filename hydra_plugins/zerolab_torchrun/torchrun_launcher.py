@@ -48,7 +48,7 @@ class TorchrunLauncherConf:
     timeout_s: float = 0  # per job; 0: none
     stop_on_failure: bool = False  # false: run the remaining jobs, report failures at the end
     report: bool = True  # after the jobs: python -m zerolab compare <sweep dir> --out <sweep dir>/report
-    rounds: int = 1  # run the job list this many times, alternating its order; the report pools timings
+    rounds: int = 2  # run the job list this many times, alternating its order; the report pools timings
 
 
 ConfigStore.instance().store(group="hydra/launcher", name="torchrun", node=TorchrunLauncherConf, provider="zerolab")
@@ -68,7 +68,7 @@ def job_labels(job_overrides: Sequence[Sequence[str]]) -> list[str]:
 
 class TorchrunLauncher(Launcher):
     def __init__(self, nproc_per_node: int = 2, extra_args: Optional[list] = None, timeout_s: float = 0,
-                 stop_on_failure: bool = False, report: bool = True, rounds: int = 1) -> None:
+                 stop_on_failure: bool = False, report: bool = True, rounds: int = 2) -> None:
         self.nproc_per_node, self.extra_args = nproc_per_node, list(extra_args or [])
         self.timeout_s, self.stop_on_failure, self.report = timeout_s, stop_on_failure, report
         if rounds < 1:
