@@ -361,13 +361,17 @@ MARKERS = ["o", "s", "^", "v", "D", "P", "X", "*"]
 
 def plot_loss(runs: list[Run], base: Run, out: Path) -> Path:
     """Train loss, its difference from the baseline, and eval loss. Runs that agree draw the same
-    curve: each run gets its own line style and markers at staggered steps so every one stays
-    visible, and the middle panel (Δ against the baseline) shows how far apart they are."""
+    curve: each run gets its own line style, marker and width (earlier runs wider, markers at
+    staggered steps) so every one stays visible, and the middle panel (Δ against the baseline)
+    shows how far apart they are."""
     plt = _plt()
     fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(16, 4.8))
     ref = dict(_series(base, "loss"))
     for i, r in enumerate(runs):
-        style = dict(ls=STYLES[i % len(STYLES)], marker=MARKERS[i % len(MARKERS)], ms=5, lw=1.3, label=r.label)
+        # drawn first = drawn widest: a later run on the same curve leaves a rim of every earlier one
+        wider = len(runs) - 1 - i
+        style = dict(ls=STYLES[i % len(STYLES)], marker=MARKERS[i % len(MARKERS)], ms=4 + 2 * wider,
+                     lw=1.2 + 1.2 * wider, label=r.label, alpha=0.9)
         s = _series(r, "loss")
         every = max(1, len(s) // 8)
         ax1.plot([x for x, _ in s], [y for _, y in s], markevery=(i * every // max(1, len(runs)), every), **style)
@@ -661,10 +665,14 @@ def log_to_wandb(runs: list[Run], result: dict, mode: str, paths: list[str]) -> 
                      job_type="report", name=f"report-{sweep}", dir=str(Path(result["report"]).parent), mode=mode,
                      reinit="finish_previous")
     run.log({k: wandb.Image(v) for k, v in result["figures"].items()})
-    cols = ["run", "strategy", "precision", "p50_s", "p95_s", "p99_s", "tokens_per_s", "max_rel_dparam", "parity"]
-    rows = [[r.label, r.strategy, r.precision, r.stats["p50"], r.stats["p95"], r.stats["p99"],
-             r.stats["tokens_per_s"], result["parity"][r.label].get("max_rel"), result["parity"][r.label]["status"]]
-            for r in runs]
+    cols = ["run", "strategy", "precision", "p50_s", "p95_s", "p99_s", "p50_ratio", "ratio_lo", "ratio_hi",
+            "timing", "tokens_per_s", "d_eval_loss", "max_dlogit", "max_rel_dparam", "parity"]
+    rows = []
+    for r in runs:
+        t, p = r.stats["timing"], result["parity"][r.label]
+        rows.append([r.label, r.strategy, r.precision, r.stats["p50"], r.stats["p95"], r.stats["p99"], t["ratio"],
+                     t["lo"], t["hi"], t["verdict"], r.stats["tokens_per_s"], p.get("d_eval_loss"),
+                     p.get("max_dlogit"), p.get("max_rel"), p["status"]])
     run.log({"summary": wandb.Table(columns=cols, data=rows)})
     run.finish()
 
