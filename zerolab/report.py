@@ -383,6 +383,11 @@ def plot_loss(runs: list[Run], base: Run, out: Path) -> Path:
     ax2.axhline(0, color="k", lw=0.6)
     ax2.set(title=f"train loss minus {base.label}'s", xlabel="step", ylabel="Δ loss")
     ax3.set(title="eval loss", xlabel="step", ylabel="loss")
+    lo, hi = ax3.get_ylim()
+    if hi - lo < 0.02:  # runs that agree to 1e-7 would fill the panel with their rounding: widen
+        mid = (lo + hi) / 2
+        ax3.set_ylim(mid - 0.01, mid + 0.01)
+    ax3.ticklabel_format(axis="y", useOffset=False)
     for ax in (ax1, ax2, ax3):
         ax.legend(fontsize=8)
     return _save(plt, fig, out / "loss.png")
