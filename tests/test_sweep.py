@@ -13,7 +13,7 @@ def test_compare_sweep_runs_each_job_under_torchrun(tmp_path):
     proc = run_python(str(ROOT / "train.py"), "-m", "experiment=compare", "strategy=ddp,torch_zero",
                       "model=gpt_tiny", "data.micro_batch=4", "trainer.max_steps=4", "trainer.eval_every=2",
                       f"run.root={tmp_path / 'runs'}",
-                      "logging.wandb.mode=disabled", cwd=tmp_path)
+                      "logging.wandb.mode=disabled", cwd=tmp_path, timeout=900)  # 4 jobs; generous: a loaded 2-core machine
     sweeps = list((tmp_path / "runs" / "compare").iterdir())
     assert len(sweeps) == 1
     sweep = sweeps[0]

@@ -543,7 +543,7 @@ def parity_table(runs: list[Run], base: Run, par: dict[str, dict]) -> str:
                      f"{_f(p.get('function_tol', float('nan')), '{:.0e}')} / {_f(p.get('tol', float('nan')), '{:.0e}')} | "
                      f"**{p['status']}** |")
         if p.get("detail"):
-            notes.append(f"- **{r.label}**: {p['detail']}." + (f" Cause: {p['cause']}." if p.get("cause") else ""))
+            notes.append(f"- **{r.label}**: {p['detail'].rstrip('.')}." + (f" Cause: {p['cause']}." if p.get("cause") else ""))
     return "\n".join(lines + ([""] + notes if notes else []))
 
 
