@@ -370,15 +370,16 @@ def plot_loss(runs: list[Run], base: Run, out: Path) -> Path:
     for i, r in enumerate(runs):
         # drawn first = drawn widest: a later run on the same curve leaves a rim of every earlier one
         wider = len(runs) - 1 - i
-        style = dict(ls=STYLES[i % len(STYLES)], marker=MARKERS[i % len(MARKERS)], ms=4 + 2 * wider,
-                     lw=1.2 + 1.2 * wider, label=r.label, alpha=0.9)
+        style = dict(ls=STYLES[i % len(STYLES)], marker=MARKERS[i % len(MARKERS)], label=r.label)
+        wide = dict(ms=4 + 1.5 * wider, lw=1.2 + 0.8 * wider, alpha=0.9)
         s = _series(r, "loss")
         every = max(1, len(s) // 8)
-        ax1.plot([x for x, _ in s], [y for _, y in s], markevery=(i * every // max(1, len(runs)), every), **style)
-        d = [(x, y - ref[x]) for x, y in s if x in ref]
-        ax2.plot([x for x, _ in d], [y for _, y in d], markevery=(i * every // max(1, len(runs)), every), **style)
+        stagger = (i * every // max(1, len(runs)), every)
+        ax1.plot([x for x, _ in s], [y for _, y in s], markevery=stagger, **style, **wide)
+        d = [(x, y - ref[x]) for x, y in s if x in ref]  # apart already: plain lines
+        ax2.plot([x for x, _ in d], [y for _, y in d], markevery=stagger, ms=4, lw=1.2, **style)
         e = _series(r, "eval_loss")
-        ax3.plot([x for x, _ in e], [y for _, y in e], **style)
+        ax3.plot([x for x, _ in e], [y for _, y in e], **style, **wide)
     ax1.set(title="train loss (mean over ranks)", xlabel="step", ylabel="loss")
     ax2.axhline(0, color="k", lw=0.6)
     ax2.set(title=f"train loss minus {base.label}'s", xlabel="step", ylabel="Δ loss")
