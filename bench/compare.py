@@ -53,7 +53,7 @@ def main() -> int:
         sweeps.append(sweep)
         cmd = [sys.executable, str(ROOT / "train.py"), "-m", "experiment=compare", f"strategy={','.join(order)}",
                f"model={args.model}", "model.bias=true", "data.micro_batch=8", f"trainer.max_steps={args.steps}",
-               "trainer.eval_every=0", "trainer.eval_batches=1", "hydra.launcher.report=false",
+               "trainer.eval_every=0", "trainer.eval_batches=1", "hydra.launcher.report=false", "hydra.launcher.rounds=1",
                "logging.wandb.mode=disabled", f"hydra.sweep.dir={sweep}", *args.overrides]
         print(" ".join(cmd), flush=True)
         code = subprocess.run(cmd, cwd=ROOT, env=env).returncode or code

@@ -3,14 +3,17 @@
 Reads zerolab run directories (config.yaml, metrics.jsonl, summary.json, model.safetensors) —
 given directly or found inside sweep directories — and writes report.md plus PNGs:
 
-  loss.png       train loss per step overlaid, eval loss beside it
+  loss.png       train loss (each run its own line style and markers), Δ against the baseline, eval loss
   loss_diff.png  per-step train loss minus the baseline's (ddp unless --baseline)
-  memory.png     per-rank measured bytes by category, stacked; the predicted ledger beside it
-  step_time.png  step time p50 / p95 / p99 (the first step, which warms up, is left out)
+  memory.png     per-rank measured bytes by category, stacked; the predicted ledger below each
+  step_time.png  step time p50 / p95 / p99, and p50 ÷ baseline with its bootstrap interval
   comm.png       measured bytes sent per rank per step against 2Ψ(N−1)/N (zerolab.comm)
-and a parity table: max |Δparam| of each run's final weights against the baseline's, flagged
-when above the tolerance for its precision. With wandb on, the same figures and tables are logged
-to one run (job_type=report) in the sweep's group.
+a parity table (function space first: Δ of the fixed held-out losses and logits each run saved
+with zerolab.digest; then the final weights, with elements whose gradient is at rounding-noise
+level listed apart; a mismatch names what differs and a cause zerolab knows), and a step-time
+table (ratio to the baseline with a bootstrap interval over steps and rounds: "within noise"
+unless it excludes 1.0). report.json carries all of it. With wandb on, the same figures and
+tables are logged to one run (job_type=report) in the sweep's group.
 """
 from __future__ import annotations
 
@@ -31,6 +34,11 @@ from zerolab.memory import CATEGORIES
 # of the same math agree to ~1e-7 (tests); 16-bit runs round differently on every path, so
 # their figure is shown for information with a loose bound.
 TOLERANCE = {"fp32": 1e-5, "bf16": 5e-2, "fp16": 5e-2, "bf16_pure": 5e-2}
+# Function-space tolerance on max |Δlogit| of the fixed held-out batches, relative to the
+# baseline's max |logit|. fp32 weights that agree to ~1e-7 (above) move logits by about as much
+# after a few layers; 1e-4 leaves three orders of magnitude for that while a real difference
+# (DeepSpeed + a client LAMB: weights 4e-2 apart) is far above it.
+FUNCTION_TOLERANCE = {"fp32": 1e-4, "bf16": 5e-2, "fp16": 5e-2, "bf16_pure": 5e-2}
 GRAD_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "bf16_pure": 2}
 COLORS = {"params": "#4c72b0", "grads": "#dd8452", "master": "#55a868", "optim_state": "#c44e52", "buffers": "#8172b3"}
 
@@ -43,6 +51,8 @@ class Run:
     summary: dict
     label: str = ""
     stats: dict = field(default_factory=dict)
+    round: int = 0  # the sweep round (hydra.launcher.rounds) this run belongs to
+    repeats: list["Run"] = field(default_factory=list)  # the same job in later rounds: timings pooled
 
     @property
     def strategy(self) -> str:
@@ -67,7 +77,7 @@ def find_run_dirs(paths: list[str]) -> list[Path]:
         elif p.is_dir():
             index = p / "sweep.json"
             if index.exists():
-                jobs = sorted(json.loads(index.read_text())["jobs"], key=lambda j: j["num"])
+                jobs = sorted(json.loads(index.read_text())["jobs"], key=lambda j: (j.get("round", 0), j["num"]))
                 found += [Path(j["run_dir"]) for j in jobs if (Path(j["run_dir"]) / "metrics.jsonl").exists()]
             else:
                 found += sorted(d.parent for d in p.glob("*/metrics.jsonl"))
@@ -93,12 +103,37 @@ def label_runs(runs: list[Run]) -> None:
     if len({r.precision for r in runs}) > 1:
         for r in runs:
             r.label += f"-{r.precision}"
-    seen: dict[str, int] = {}
-    for r in runs:  # two runs with the same settings: tell them apart by directory
-        seen[r.label] = seen.get(r.label, 0) + 1
+    seen: dict[tuple, int] = {}
+    for r in runs:  # two runs with the same settings in one round: tell them apart by directory
+        seen[r.label, r.round] = seen.get((r.label, r.round), 0) + 1
     for r in runs:
-        if seen[r.label] > 1:
+        if seen[r.label, r.round] > 1:
             r.label += f" ({r.path.name})"
+
+
+def merge_rounds(runs: list[Run]) -> list[Run]:
+    """One entry per job: a later round's run of the same label joins the first as a repeat."""
+    first: dict[str, Run] = {}
+    for r in sorted(runs, key=lambda r: r.round):  # stable: round 0's order is kept
+        if r.label in first:
+            first[r.label].repeats.append(r)
+        else:
+            first[r.label] = r
+    return [r for r in runs if r.label in first and first[r.label] is r]
+
+
+def sweep_info(paths: list[str]) -> tuple[dict[Path, int], list[dict]]:
+    """Round of each run directory, and each sweep's machine-load record (from sweep.json)."""
+    rounds, loads = {}, []
+    for p in map(Path, paths):
+        index = p / "sweep.json"
+        if index.exists():
+            sweep = json.loads(index.read_text())
+            for j in sweep["jobs"]:
+                rounds[Path(j["run_dir"]).resolve()] = int(j.get("round", 0))
+            if "loadavg" in sweep:
+                loads.append({"sweep": p.name, **sweep["loadavg"]})
+    return rounds, loads
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -127,12 +162,19 @@ def _rank_figures(run: Run, prefix: str) -> list[dict[str, float]]:
     return []
 
 
+def step_times(run: Run) -> list[float]:
+    """Logged step times, the first step (warm-up) left out."""
+    return [t for s, t in _series(run, "step_time_s") if s > 1] or [t for _, t in _series(run, "step_time_s")]
+
+
 def compute_stats(run: Run) -> None:
-    times = [t for s, t in _series(run, "step_time_s") if s > 1] or [t for _, t in _series(run, "step_time_s")]
-    tokens = [t for s, t in _series(run, "tokens_per_s") if s > 1]
+    rounds = [step_times(x) for x in [run, *run.repeats]]
+    times = [t for r in rounds for t in r]  # pooled over rounds
+    tokens = [t for x in [run, *run.repeats] for s, t in _series(x, "tokens_per_s") if s > 1]
     comm = [[v for s, v in _series(run, f"rank{r}/comm_bytes") if s > 1] for r in range(run.world)]
     n_params = run.summary.get("n_params") or 0
     st = run.stats
+    st["rounds"] = rounds
     st["p50"] = percentile(times, 50) if times else float("nan")
     st["p95"] = percentile(times, 95) if times else float("nan")
     st["p99"] = percentile(times, 99) if times else float("nan")
@@ -148,37 +190,151 @@ def compute_stats(run: Run) -> None:
 
 
 # ---- parity --------------------------------------------------------------------------------
-def parity(run: Run, base: Run) -> dict:
-    """max |Δparam| and max relative difference (per tensor: max|Δ| / max|base|) of final weights."""
+def _load(path: Path) -> Optional[dict]:
     from safetensors.torch import load_file
 
-    a_path, b_path = run.path / "model.safetensors", base.path / "model.safetensors"
-    if not a_path.exists() or not b_path.exists():
+    return load_file(str(path)) if path.exists() else None
+
+
+def function_parity(run: Run, base: Run) -> Optional[dict]:
+    """Δ of the end-of-run digest (zerolab.digest): the same fixed held-out batches through both
+    final models. None when either run has no digest (runs from before it existed)."""
+    a, b = _load(run.path / "eval_logits.safetensors"), _load(base.path / "eval_logits.safetensors")
+    if a is None or b is None or a.keys() != b.keys():
+        return None
+    keys = [k for k in a if k.startswith("logits/")]
+    if any(a[k].shape != b[k].shape for k in keys):
+        return None
+    d_logit = max((a[k].double() - b[k].double()).abs().max().item() for k in keys)
+    scale = max(b[k].double().abs().max().item() for k in keys)
+    d_loss = (a["loss"].double() - b["loss"].double()).abs().max().item()
+    return {"max_dlogit": d_logit, "rel_dlogit": d_logit / max(scale, 1e-12), "d_eval_loss": d_loss}
+
+
+def noise_elements(run: Run) -> Optional[dict]:
+    """{tensor: flat indices} of elements whose gradient is at fp32 rounding level (the run's
+    grad_noise.safetensors), or None when the run did not probe."""
+    found = _load(run.path / "grad_noise.safetensors")
+    return None if found is None else {k: v for k, v in found.items() if k != "_none"}
+
+
+def known_cause(run: Run, base: Run) -> str:
+    """A cause zerolab knows for a real difference, or ''."""
+    for r in (run, base):
+        s, opt = r.config.get("strategy", {}), r.config.get("optim", {}).get("name", "")
+        if r.strategy == "deepspeed" and int(s.get("stage", 0)) >= 1 and s.get("client_optimizer") \
+                and opt in ("lamb", "lars"):
+            return (f"{r.label}: DeepSpeed ZeRO stage {s.get('stage')} hands the client optimizer ({opt}) its "
+                    f"flat parameter groups, so the per-tensor trust ratios become one per group")
+    return ""
+
+
+def parity(run: Run, base: Run) -> dict:
+    """Function space first (Δ of the fixed held-out logits and losses), then the final weights:
+    max |Δ| and max relative |Δ| (per tensor: max|Δ| / max|base|) over elements whose gradient is
+    not at rounding-noise level; those are shown apart (see zerolab.digest)."""
+    import torch
+
+    a, b = _load(run.path / "model.safetensors"), _load(base.path / "model.safetensors")
+    if a is None or b is None:
         return {"status": "no weights"}
-    a, b = load_file(str(a_path)), load_file(str(b_path))
     if a.keys() != b.keys():
         return {"status": "MISMATCH", "detail": f"different tensors: {sorted(a.keys() ^ b.keys())[:5]}",
                 "max_abs": float("inf"), "max_rel": float("inf"), "worst": "", "tol": 0.0}
-    worst, max_abs, max_rel = "", 0.0, 0.0
+    na, nb = noise_elements(run), noise_elements(base)
+    noise = {k: torch.unique(torch.cat([x[k] for x in (na, nb) if x and k in x])) for k in {*(na or {}), *(nb or {})}}
+    worst, max_abs, max_rel, rel_by, noise_rows = "", 0.0, 0.0, {}, []
     for k in a:
-        x, y = a[k].double(), b[k].double()
-        if x.shape != y.shape:
-            return {"status": "MISMATCH", "detail": f"{k}: shape {tuple(x.shape)} vs {tuple(y.shape)}",
+        x, y = a[k].double().flatten(), b[k].double().flatten()
+        if a[k].shape != b[k].shape:
+            return {"status": "MISMATCH", "detail": f"{k}: shape {tuple(a[k].shape)} vs {tuple(b[k].shape)}",
                     "max_abs": float("inf"), "max_rel": float("inf"), "worst": k, "tol": 0.0}
-        d = (x - y).abs().max().item()
-        rel = d / max(y.abs().max().item(), 1e-12)
+        diff = (x - y).abs()
+        scale = max(y.abs().max().item(), 1e-12)
+        if k in noise:
+            idx = noise[k]
+            noise_rows.append({"tensor": k, "elements": int(idx.numel()), "of": int(diff.numel()),
+                               "max_abs": diff[idx].max().item(), "max_rel": diff[idx].max().item() / scale})
+            keep = torch.ones_like(diff, dtype=torch.bool)
+            keep[idx] = False
+            diff = diff[keep]
+        d = diff.max().item() if diff.numel() else 0.0
+        rel_by[k] = d / scale
         max_abs = max(max_abs, d)
-        if rel > max_rel or not worst:
-            worst, max_rel = k, rel
-    tol = TOLERANCE.get(run.precision, 1e-5) if run.precision == base.precision else float("nan")
+        if rel_by[k] > max_rel or not worst:
+            worst, max_rel = k, rel_by[k]
+    same_prec = run.precision == base.precision
+    tol = TOLERANCE.get(run.precision, 1e-5) if same_prec else float("nan")
+    ftol = FUNCTION_TOLERANCE.get(run.precision, 1e-4) if same_prec else float("nan")
+    fn = function_parity(run, base)
+    out = {"max_abs": max_abs, "max_rel": max_rel, "worst": worst, "tol": tol, "function_tol": ftol,
+           "noise_level": noise_rows, "noise_probe": na is not None or nb is not None, **(fn or {})}
     same = [(run.summary.get(k), base.summary.get(k)) for k in ("steps", "global_batch", "model", "optimizer")]
-    if run.precision != base.precision:
-        status = "n/a (precision differs)"
-    elif any(a != b for a, b in same):
-        status = "n/a (steps/batch/model/optimizer differ)"
-    else:
-        status = "match" if max_rel <= tol else "MISMATCH"
-    return {"status": status, "max_abs": max_abs, "max_rel": max_rel, "worst": worst, "tol": tol}
+    if not same_prec:
+        out["status"] = "n/a (precision differs)"
+        return out
+    if any(x != y for x, y in same):
+        out["status"] = "n/a (steps/batch/model/optimizer differ)"
+        return out
+    off = sorted((k for k, r in rel_by.items() if r > tol), key=lambda k: -rel_by[k])
+    fn_off = fn is not None and fn["rel_dlogit"] > ftol
+    out["status"] = "MISMATCH" if off or fn_off else "match"
+    if out["status"] == "MISMATCH":
+        what = []
+        if fn is not None:
+            what.append(f"function: max |Δlogit| {fn['max_dlogit']:.2e} ({fn['rel_dlogit']:.1e} of the logit "
+                        f"scale), Δeval-loss {fn['d_eval_loss']:.2e}" + ("" if fn_off else " (within tolerance)"))
+        if off:
+            what.append(f"{len(off)} tensor(s) above {tol:.0e}: " +
+                        ", ".join(f"{k} {rel_by[k]:.1e}" for k in off[:3]) + (" ..." if len(off) > 3 else ""))
+        cause = known_cause(run, base)
+        out["detail"] = "; ".join(what)
+        if cause:
+            out["cause"] = cause
+    return out
+
+
+# ---- timing with its noise ----------------------------------------------------------------
+BOOTSTRAP_REPS = 2000
+INTERVAL = 0.95
+
+
+def bootstrap_ratio(rounds: list[list[float]], base_rounds: list[list[float]], reps: int = BOOTSTRAP_REPS,
+                    seed: int = 0) -> dict:
+    """p50 step time over the baseline's, with a 95 % percentile-bootstrap interval. Each replicate
+    resamples rounds (with replacement), then steps within each drawn round, for both runs; so
+    the interval holds the spread between steps and, when the sweep ran several rounds, between
+    rounds. A fixed seed: the same data always gives the same interval and verdict."""
+    import numpy as np
+
+    rounds, base_rounds = [r for r in rounds if r], [r for r in base_rounds if r]
+    if not rounds or not base_rounds:
+        return {"ratio": float("nan"), "lo": float("nan"), "hi": float("nan"), "verdict": "no timings"}
+    rng = np.random.default_rng(seed)
+
+    def resample(rs: list[list[float]]):
+        """`reps` bootstrap medians: draw rounds, then steps within each drawn round."""
+        table = np.full((len(rs), max(map(len, rs))), np.nan)
+        for i, r in enumerate(rs):
+            table[i, :len(r)] = r
+        lens = np.array([len(r) for r in rs])
+        drawn = rng.integers(0, len(rs), (reps, len(rs)))  # rounds, with replacement
+        n = lens[drawn][..., None]  # the drawn round's step count
+        steps = (rng.random((reps, len(rs), table.shape[1])) * n).astype(int)
+        values = table[drawn[..., None], steps]
+        values[np.arange(table.shape[1]) >= n] = np.nan  # a short round contributes only its own count
+        return np.nanmedian(values.reshape(reps, -1), axis=1)
+
+    ratios = np.sort(resample(rounds) / resample(base_rounds))
+    lo, hi = float(ratios[int((1 - INTERVAL) / 2 * reps)]), float(ratios[int((1 + INTERVAL) / 2 * reps) - 1])
+    ratio = statistics.median([t for r in rounds for t in r]) / statistics.median([t for r in base_rounds for t in r])
+    return {"ratio": ratio, "lo": lo, "hi": hi, "verdict": timing_verdict(lo, hi),
+            "rounds": len(rounds), "steps": sum(map(len, rounds))}
+
+
+def timing_verdict(lo: float, hi: float) -> str:
+    """'within noise' unless the interval excludes 1.0."""
+    return "slower" if lo > 1.0 else "faster" if hi < 1.0 else "within noise"
 
 
 # ---- figures -------------------------------------------------------------------------------
@@ -199,18 +355,42 @@ def _save(plt, fig, path: Path) -> Path:
     return path
 
 
-def plot_loss(runs: list[Run], out: Path) -> Path:
+STYLES = ["-", "--", "-.", ":"]
+MARKERS = ["o", "s", "^", "v", "D", "P", "X", "*"]
+
+
+def plot_loss(runs: list[Run], base: Run, out: Path) -> Path:
+    """Train loss, its difference from the baseline, and eval loss. Runs that agree draw the same
+    curve: each run gets its own line style, marker and width (earlier runs wider, markers at
+    staggered steps) so every one stays visible, and the middle panel (Δ against the baseline)
+    shows how far apart they are."""
     plt = _plt()
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for r in runs:
+    fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(16, 4.8))
+    ref = dict(_series(base, "loss"))
+    for i, r in enumerate(runs):
+        # drawn first = drawn widest: a later run on the same curve leaves a rim of every earlier one
+        wider = len(runs) - 1 - i
+        style = dict(ls=STYLES[i % len(STYLES)], marker=MARKERS[i % len(MARKERS)], label=r.label)
+        wide = dict(ms=4 + 1.5 * wider, lw=1.2 + 0.8 * wider, alpha=0.9)
         s = _series(r, "loss")
-        ax1.plot([x for x, _ in s], [y for _, y in s], label=r.label, lw=1.2)
+        every = max(1, len(s) // 8)
+        stagger = (i * every // max(1, len(runs)), every)
+        ax1.plot([x for x, _ in s], [y for _, y in s], markevery=stagger, **style, **wide)
+        d = [(x, y - ref[x]) for x, y in s if x in ref]  # apart already: plain lines
+        ax2.plot([x for x, _ in d], [y for _, y in d], markevery=stagger, ms=4, lw=1.2, **style)
         e = _series(r, "eval_loss")
-        ax2.plot([x for x, _ in e], [y for _, y in e], marker="o", label=r.label)
+        ax3.plot([x for x, _ in e], [y for _, y in e], **style, **wide)
     ax1.set(title="train loss (mean over ranks)", xlabel="step", ylabel="loss")
-    ax2.set(title="eval loss", xlabel="step", ylabel="loss")
-    ax1.legend(fontsize=8)
-    ax2.legend(fontsize=8)
+    ax2.axhline(0, color="k", lw=0.6)
+    ax2.set(title=f"train loss minus {base.label}'s", xlabel="step", ylabel="Δ loss")
+    ax3.set(title="eval loss", xlabel="step", ylabel="loss")
+    lo, hi = ax3.get_ylim()
+    if hi - lo < 0.02:  # runs that agree to 1e-7 would fill the panel with their rounding: widen
+        mid = (lo + hi) / 2
+        ax3.set_ylim(mid - 0.01, mid + 0.01)
+    ax3.ticklabel_format(axis="y", useOffset=False)
+    for ax in (ax1, ax2, ax3):
+        ax.legend(fontsize=8)
     return _save(plt, fig, out / "loss.png")
 
 
@@ -218,11 +398,12 @@ def plot_loss_diff(runs: list[Run], base: Run, out: Path) -> Path:
     plt = _plt()
     fig, ax = plt.subplots(figsize=(8, 4.5))
     ref = dict(_series(base, "loss"))
-    for r in runs:
+    for i, r in enumerate(runs):
         if r is base:
             continue
         s = [(x, y - ref[x]) for x, y in _series(r, "loss") if x in ref]
-        ax.plot([x for x, _ in s], [y for _, y in s], label=r.label, lw=1.2)
+        ax.plot([x for x, _ in s], [y for _, y in s], label=r.label, lw=1.2, ls=STYLES[i % len(STYLES)],
+                marker=MARKERS[i % len(MARKERS)], ms=4, markevery=max(1, len(s) // 8))
     ax.axhline(0, color="k", lw=0.6)
     ax.set(title=f"train loss minus {base.label}'s, per step", xlabel="step", ylabel="Δ loss")
     ax.legend(fontsize=8)
@@ -230,37 +411,67 @@ def plot_loss_diff(runs: list[Run], base: Run, out: Path) -> Path:
 
 
 def plot_memory(runs: list[Run], out: Path) -> Path:
+    """Horizontal stacked bars, grouped per run: for each rank the measured bytes and, right
+    below, the predicted ledger, each bar labelled with its run, rank and kind."""
     plt = _plt()
-    bars = []  # (x label, categories dict, predicted?)
+    rows = []  # (label, categories, predicted?), top to bottom; None: a gap between runs
     for r in runs:
         for rank, mem in enumerate(r.stats["mem"]):
-            bars.append((f"{r.label}\nrank{rank}", mem, False))
-            pred = r.stats["mem_pred"]
-            if rank < len(pred):
-                bars.append((f"(predicted)\nrank{rank}", pred[rank], True))
-    fig, ax = plt.subplots(figsize=(max(8, 0.7 * len(bars) + 2), 5))
-    for i, (_, mem, predicted) in enumerate(bars):
-        bottom = 0.0
+            rows.append((f"{r.label} · rank {rank} · measured", mem, False))
+            if rank < len(r.stats["mem_pred"]):
+                rows.append((f"{r.label} · rank {rank} · predicted", r.stats["mem_pred"][rank], True))
+        rows.append(None)
+    rows = rows[:-1]
+    fig, ax = plt.subplots(figsize=(11, max(3.5, 0.32 * len(rows) + 1.5)))
+    ys = list(range(len(rows)))[::-1]
+    seen = set()
+    for y, row in zip(ys, rows):
+        if row is None:
+            continue
+        _, mem, predicted = row
+        left = 0.0
         for c in CATEGORIES:
             v = mem.get(c, 0) / 2**20
-            ax.bar(i, v, bottom=bottom, color=COLORS[c], alpha=0.45 if predicted else 1.0,
-                   hatch="//" if predicted else None, edgecolor="white", label=c if i == 0 else None)
-            bottom += v
-    ax.set_xticks(range(len(bars)), [b[0] for b in bars], fontsize=7, rotation=60, ha="right")
-    ax.set(title="model states per rank by category (solid: measured, hatched: predicted ledger)", ylabel="MiB")
-    ax.legend(fontsize=8)
+            ax.barh(y, v, left=left, color=COLORS[c], alpha=0.5 if predicted else 1.0, height=0.8,
+                    hatch="//" if predicted else None, edgecolor="white", label=None if c in seen else c)
+            seen.add(c)
+            left += v
+        ax.text(left, y, f" {left:.2f}", va="center", fontsize=8)
+    ax.set_yticks([y for y, row in zip(ys, rows) if row], [row[0] for row in rows if row], fontsize=9)
+    ax.set(title="model states per rank by category (solid: measured; hatched, faded: predicted ledger)",
+           xlabel="MiB")
+    ax.margins(x=0.12)
+    ax.legend(fontsize=8, loc="lower right")
     return _save(plt, fig, out / "memory.png")
 
 
-def plot_step_time(runs: list[Run], out: Path) -> Path:
+def plot_step_time(runs: list[Run], base: Run, out: Path) -> Path:
+    """Left: p50 step time per run (p95, p99 as markers). Right: p50 over the baseline's with its
+    95 % bootstrap interval; a caveat in the title when every interval holds 1.0."""
     plt = _plt()
-    fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(runs) + 2), 4.5))
-    width = 0.27
-    for j, q in enumerate(("p50", "p95", "p99")):
-        ax.bar([i + (j - 1) * width for i in range(len(runs))], [r.stats[q] * 1e3 for r in runs], width, label=q)
-    ax.set_xticks(range(len(runs)), [r.label for r in runs], fontsize=8, rotation=20, ha="right")
-    ax.set(title="step time (first step excluded)", ylabel="ms")
-    ax.legend(fontsize=8)
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(max(11, 1.6 * len(runs) + 4), 4.8))
+    xs = list(range(len(runs)))
+    ax1.bar(xs, [r.stats["p50"] * 1e3 for r in runs], 0.6, color="#4c72b0", label="p50")
+    ax1.scatter(xs, [r.stats["p95"] * 1e3 for r in runs], marker="_", s=300, color="#dd8452", label="p95", zorder=3)
+    ax1.scatter(xs, [r.stats["p99"] * 1e3 for r in runs], marker="_", s=300, color="#c44e52", label="p99", zorder=3)
+    ax1.set_xticks(xs, [r.label for r in runs], fontsize=9, rotation=20, ha="right")
+    ax1.set(title="step time (first step excluded)", ylabel="ms")
+    ax1.legend(fontsize=8)
+    others = [r for r in runs if r is not base]
+    t = [r.stats["timing"] for r in others]
+    ox = list(range(len(others)))
+    ratios = [x["ratio"] for x in t]
+    err = [[max(0.0, x["ratio"] - x["lo"]) for x in t], [max(0.0, x["hi"] - x["ratio"]) for x in t]]
+    colors = ["#999999" if x["verdict"] == "within noise" else "#4c72b0" for x in t]
+    ax2.bar(ox, ratios, 0.6, color=colors, yerr=err, capsize=6, ecolor="k")
+    ax2.axhline(1.0, color="k", lw=0.8, ls="--")
+    for x, v in zip(ox, t):
+        ax2.annotate(v["verdict"], (x, v["hi"]), textcoords="offset points", xytext=(0, 4), ha="center", fontsize=8)
+    ax2.set_xticks(ox, [r.label for r in others], fontsize=9, rotation=20, ha="right")
+    caveat = "all within noise: no run measurably differs" if all(x["verdict"] == "within noise" for x in t) \
+        else "grey: within noise (interval holds 1.0)"
+    ax2.set(title=f"p50 ÷ {base.label}'s, 95 % bootstrap interval\n{caveat}", ylabel="ratio")
+    ax2.margins(y=0.15)
     return _save(plt, fig, out / "step_time.png")
 
 
@@ -301,24 +512,40 @@ def summary_table(runs: list[Run], base: Run, par: dict[str, dict]) -> str:
         lines.append("| " + " | ".join([
             r.label, _f(st["final_loss"]), _f(st["eval_loss"]), _f(st["p50"] * 1e3, "{:.1f}"),
             _f(st["p95"] * 1e3, "{:.1f}"), _f(st["p99"] * 1e3, "{:.1f}"),
-            _f(st["p50"] / base.stats["p50"], "{:.2f}"), _f(st["tokens_per_s"], "{:.0f}"),
+            _ratio_cell(r, base), _f(st["tokens_per_s"], "{:.0f}"),
             f"{_mib(mem)} ({_mib(pred)})", f"{_mib(comm)} ({_mib(st['comm_theory'])})",
             "baseline" if r is base else _f(p.get("max_rel", float("nan")), "{:.2e}"),
             "baseline" if r is base else p["status"]]) + " |")
     return "\n".join(lines)
 
 
+def _ratio_cell(r: Run, base: Run) -> str:
+    t = r.stats.get("timing", {})
+    if r is base or not t or math.isnan(t.get("ratio", float("nan"))):
+        return "1" if r is base else "—"
+    return f"{t['ratio']:.2f} [{t['lo']:.2f}, {t['hi']:.2f}]" + (" ~" if t["verdict"] == "within noise" else "")
+
+
 def parity_table(runs: list[Run], base: Run, par: dict[str, dict]) -> str:
-    lines = [f"| run (vs {base.label}) | max abs Δparam | max rel Δparam | worst tensor | tolerance | verdict |",
-             "|---|---|---|---|---|---|"]
+    lines = [f"| run (vs {base.label}) | Δeval-loss | max abs Δlogit (rel) | max rel Δparam | worst tensor | "
+             "noise-level elements (max rel Δ) | tolerance fn / weights | verdict |",
+             "|---|---|---|---|---|---|---|---|"]
+    notes = []
     for r in runs:
         if r is base:
             continue
         p = par[r.label]
-        lines.append(f"| {r.label} | {_f(p.get('max_abs', float('nan')), '{:.3e}')} | "
-                     f"{_f(p.get('max_rel', float('nan')), '{:.3e}')} | {p.get('worst', '')} | "
-                     f"{_f(p.get('tol', float('nan')), '{:.0e}')} | **{p['status']}** |")
-    return "\n".join(lines)
+        nl = p.get("noise_level", [])
+        noise = ", ".join(f"{n['tensor']} {n['elements']}/{n['of']} ({n['max_rel']:.1e})" for n in nl) or \
+            ("none" if p.get("noise_probe") else "not probed")
+        lines.append(f"| {r.label} | {_f(p.get('d_eval_loss', float('nan')), '{:.2e}')} | "
+                     f"{_f(p.get('max_dlogit', float('nan')), '{:.2e}')} ({_f(p.get('rel_dlogit', float('nan')), '{:.1e}')}) | "
+                     f"{_f(p.get('max_rel', float('nan')), '{:.3e}')} | {p.get('worst', '')} | {noise} | "
+                     f"{_f(p.get('function_tol', float('nan')), '{:.0e}')} / {_f(p.get('tol', float('nan')), '{:.0e}')} | "
+                     f"**{p['status']}** |")
+        if p.get("detail"):
+            notes.append(f"- **{r.label}**: {p['detail'].rstrip('.')}." + (f" Cause: {p['cause']}." if p.get("cause") else ""))
+    return "\n".join(lines + ([""] + notes if notes else []))
 
 
 def memory_table(runs: list[Run]) -> str:
@@ -338,8 +565,12 @@ def build_report(paths: list[str], out: str, baseline: Optional[str] = None, wan
     dirs = find_run_dirs(paths)
     if not dirs:
         raise FileNotFoundError(f"no run directories (with metrics.jsonl) under {', '.join(paths)}")
+    rounds, loads = sweep_info(paths)
     runs = [load_run(d) for d in dirs]
+    for r in runs:
+        r.round = rounds.get(r.path.resolve(), 0)
     label_runs(runs)
+    runs = merge_rounds(runs)
     for r in runs:
         compute_stats(r)
     if baseline:
@@ -349,35 +580,82 @@ def build_report(paths: list[str], out: str, baseline: Optional[str] = None, wan
         base = matches[0]
     else:
         base = next((r for r in runs if r.strategy == "ddp"), runs[0])
+    for r in runs:
+        r.stats["timing"] = bootstrap_ratio(r.stats["rounds"], base.stats["rounds"])
     par = {r.label: ({"status": "baseline"} if r is base else parity(r, base)) for r in runs}
     out_dir = Path(out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    figures = {"loss": plot_loss(runs, out_dir), "loss_diff": plot_loss_diff(runs, base, out_dir),
-               "memory": plot_memory(runs, out_dir), "step_time": plot_step_time(runs, out_dir),
+    figures = {"loss": plot_loss(runs, base, out_dir), "loss_diff": plot_loss_diff(runs, base, out_dir),
+               "memory": plot_memory(runs, out_dir), "step_time": plot_step_time(runs, base, out_dir),
                "comm": plot_comm(runs, out_dir)}
     table, ptable, mtable = summary_table(runs, base, par), parity_table(runs, base, par), memory_table(runs)
+    ttable, machine = timing_table(runs, base), machine_line(runs, loads)
     b = base.summary
     conditions = (f"{b.get('model', '?')} ({b.get('n_params', '?')} params), world {base.world}, "
                   f"global batch {b.get('global_batch', '?')}, {b.get('steps', '?')} steps, "
                   f"optimizer {b.get('optimizer', '?')}; baseline: {base.label}")
-    md = [f"# Strategy comparison\n\n{conditions}\n",
-          "Step times exclude the first step; p50 ÷ base is the median step time over the baseline's. "
-          "Memory is the measured model states on rank 0 (the predicted ledger in brackets, when the run "
-          "logged one). Comm is bytes sent by rank 0 per step, ring-cost model, against 2Ψ(N−1)/N × "
-          "gradient bytes.\n", table, "\n## Parity of final weights\n",
-          "max rel Δparam = max over tensors of max|Δ| / max|baseline|. Tolerance: 1e-5 for fp32 "
-          "(same math, different summation order); 16-bit runs are compared loosely.\n", ptable,
+    md = [f"# Strategy comparison\n\n{conditions}\n\n{machine}\n",
+          "Step times exclude the first step; p50 ÷ base is the median step time over the baseline's, "
+          "with its 95 % bootstrap interval (~: within noise). Memory is the measured model states on rank 0 (the predicted "
+          "ledger in brackets, when the run logged one). Comm is bytes sent by rank 0 per step, ring-cost "
+          "model, against 2Ψ(N−1)/N × gradient bytes.\n", table,
+          "\n## Parity\n",
+          "Function space first: every run evaluated the same fixed held-out batches at the end "
+          "(zerolab.digest); Δeval-loss is the largest per-batch loss difference, max abs Δlogit the "
+          "largest logit difference (in brackets: relative to the baseline's largest logit). Then the "
+          "final weights: max rel Δparam = max over tensors of max|Δ| / max|baseline|, over elements whose "
+          "gradient fp32 can resolve. Elements whose gradient is at rounding-noise level (found by each "
+          "run's float64/fp32 gradient probe, e.g. the key third of attn.qkv.bias, whose true gradient is "
+          "zero) drift apart under any change of summation order: they are listed apart, with their Δ, and "
+          "do not decide the verdict. Tolerances: fp32 1e-4 (function) / 1e-5 (weights); 16-bit loosely.\n",
+          ptable, "\n## Step time against the baseline\n",
+          "Ratio of p50 step times with a 95 % bootstrap interval (resampling rounds, then steps within "
+          "them; seeded, so the same data gives the same verdict). \"within noise\" unless the interval "
+          "excludes 1.0. With one round the interval holds only the spread between steps of each run, "
+          "not a change of the machine's load between runs: run the sweep with hydra.launcher.rounds=2 "
+          "(or more) to pool rounds in alternating order.\n", ttable,
           "\n## Memory per rank (MiB)\n", mtable, "\n## Figures\n"]
     md += [f"![{k}]({p.name})" for k, p in figures.items()]
-    md += ["\n## Runs\n"] + [f"- {r.label}: `{r.path}`" for r in runs]
+    md += ["\n## Runs\n"] + [f"- {r.label}: `{r.path}`" + "".join(f", `{x.path}`" for x in r.repeats) for r in runs]
     (out_dir / "report.md").write_text("\n".join(md) + "\n")
     result = {"report": str(out_dir / "report.md"), "figures": {k: str(v) for k, v in figures.items()},
-              "table": table, "parity": par, "baseline": base.label, "runs": [r.label for r in runs]}
+              "table": table, "parity": par, "baseline": base.label, "runs": [r.label for r in runs],
+              "timing": {r.label: r.stats["timing"] for r in runs}, "machine": machine, "loadavg": loads}
     (out_dir / "report.json").write_text(json.dumps({k: v for k, v in result.items() if k != "table"},
                                                     indent=2, default=str))
     if wandb_mode != "disabled":
         log_to_wandb(runs, result, wandb_mode, paths)
     return result
+
+
+def timing_table(runs: list[Run], base: Run) -> str:
+    lines = [f"| run | rounds × steps timed | p50 ms | p50 ÷ {base.label} | 95 % interval | verdict |",
+             "|---|---|---|---|---|---|"]
+    for r in runs:
+        t = r.stats["timing"]
+        n = f"{len(r.stats['rounds'])} × {'/'.join(str(len(x)) for x in r.stats['rounds'])}"
+        if r is base:
+            lines.append(f"| {r.label} | {n} | {_f(r.stats['p50'] * 1e3, '{:.1f}')} | 1 | — | baseline |")
+            continue
+        lines.append(f"| {r.label} | {n} | {_f(r.stats['p50'] * 1e3, '{:.1f}')} | {_f(t['ratio'], '{:.3f}')} | "
+                     f"[{_f(t['lo'], '{:.3f}')}, {_f(t['hi'], '{:.3f}')}] | **{t['verdict']}** |")
+    return "\n".join(lines)
+
+
+def machine_line(runs: list[Run], loads: list[dict]) -> str:
+    """What the machine was doing: load averages around the sweep (from the launcher), else at
+    the end of each run (from its digest)."""
+    def la(v) -> str:
+        return "/".join(f"{x:.2f}" for x in v)
+
+    head = f"Machine: {os.cpu_count()} cores here (report host). "
+    if loads:
+        return head + "Load average (1/5/15 min) " + "; ".join(
+            f"{x['sweep']}: before {la(x['before'])}, after {la(x.get('after', []))}" for x in loads) + "."
+    ends = [(r.label, r.summary.get("eval_digest", {}).get("loadavg_end")) for r in runs]
+    ends = [(k, v) for k, v in ends if v]
+    return head + ("Load average (1/5/15 min) at the end of each run: " +
+                   ", ".join(f"{k} {la(v)}" for k, v in ends) + "." if ends else "Load average: not recorded.")
 
 
 def log_to_wandb(runs: list[Run], result: dict, mode: str, paths: list[str]) -> None:
@@ -393,10 +671,14 @@ def log_to_wandb(runs: list[Run], result: dict, mode: str, paths: list[str]) -> 
                      job_type="report", name=f"report-{sweep}", dir=str(Path(result["report"]).parent), mode=mode,
                      reinit="finish_previous")
     run.log({k: wandb.Image(v) for k, v in result["figures"].items()})
-    cols = ["run", "strategy", "precision", "p50_s", "p95_s", "p99_s", "tokens_per_s", "max_rel_dparam", "parity"]
-    rows = [[r.label, r.strategy, r.precision, r.stats["p50"], r.stats["p95"], r.stats["p99"],
-             r.stats["tokens_per_s"], result["parity"][r.label].get("max_rel"), result["parity"][r.label]["status"]]
-            for r in runs]
+    cols = ["run", "strategy", "precision", "p50_s", "p95_s", "p99_s", "p50_ratio", "ratio_lo", "ratio_hi",
+            "timing", "tokens_per_s", "d_eval_loss", "max_dlogit", "max_rel_dparam", "parity"]
+    rows = []
+    for r in runs:
+        t, p = r.stats["timing"], result["parity"][r.label]
+        rows.append([r.label, r.strategy, r.precision, r.stats["p50"], r.stats["p95"], r.stats["p99"], t["ratio"],
+                     t["lo"], t["hi"], t["verdict"], r.stats["tokens_per_s"], p.get("d_eval_loss"),
+                     p.get("max_dlogit"), p.get("max_rel"), p["status"]])
     run.log({"summary": wandb.Table(columns=cols, data=rows)})
     run.finish()
 
@@ -426,7 +708,16 @@ def cli_main(argv: list[str]) -> int:
     print(result["table"])
     print(f"\nreport: {result['report']}")
     print("figures: " + " ".join(result["figures"].values()))
+    print(result["machine"])
+    for k, t in result["timing"].items():
+        if k != result["baseline"] and t["verdict"] != "no timings":
+            print(f"step time {k}: {t['ratio']:.3f} x {result['baseline']} "
+                  f"[{t['lo']:.3f}, {t['hi']:.3f}] {t['verdict']}")
     bad = [k for k, v in result["parity"].items() if v["status"] == "MISMATCH"]
     if bad:
         print(f"parity MISMATCH against {result['baseline']}: {', '.join(bad)}", file=sys.stderr)
+        for k in bad:
+            v = result["parity"][k]
+            print(f"  {k}: {v.get('detail', '')}" + (f"; cause: {v['cause']}" if v.get("cause") else ""),
+                  file=sys.stderr)
     return 1 if bad and args.fail_on_mismatch else 0

@@ -5,7 +5,10 @@ inside the `python train.py -m` process, so they would share one process (one ra
 group, DeepSpeed's process-global state) instead of each getting N fresh ranks. This launcher
 keeps Hydra's sweep syntax (`-m strategy=ddp,zero1,...`) and its sweeper, and for each job starts
 `torchrun --standalone --nproc_per_node=N train.py <the job's overrides> run.dir=<sweep>/<job>`,
-one job at a time (they would compete for the same cores). Results:
+one job at a time (they would compete for the same cores). With `hydra.launcher.rounds=R` the
+job list runs R times, every other round in reverse order, into `<n>-<label>-r<k>` directories;
+the report pools the rounds' step times (its intervals then hold the spread between rounds).
+sweep.json records the load average before and after the sweep and around each job. Results:
 
   <hydra.sweep.dir>/            multirun.yaml (Hydra's), sweep.json (jobs, run dirs, exit codes)
   <hydra.sweep.dir>/<n>-<label>/   one zerolab run directory per job (config, metrics, weights)
@@ -45,6 +48,7 @@ class TorchrunLauncherConf:
     timeout_s: float = 0  # per job; 0: none
     stop_on_failure: bool = False  # false: run the remaining jobs, report failures at the end
     report: bool = True  # after the jobs: python -m zerolab compare <sweep dir> --out <sweep dir>/report
+    rounds: int = 2  # run the job list this many times, alternating its order; the report pools timings
 
 
 ConfigStore.instance().store(group="hydra/launcher", name="torchrun", node=TorchrunLauncherConf, provider="zerolab")
@@ -64,9 +68,12 @@ def job_labels(job_overrides: Sequence[Sequence[str]]) -> list[str]:
 
 class TorchrunLauncher(Launcher):
     def __init__(self, nproc_per_node: int = 2, extra_args: Optional[list] = None, timeout_s: float = 0,
-                 stop_on_failure: bool = False, report: bool = True) -> None:
+                 stop_on_failure: bool = False, report: bool = True, rounds: int = 2) -> None:
         self.nproc_per_node, self.extra_args = nproc_per_node, list(extra_args or [])
         self.timeout_s, self.stop_on_failure, self.report = timeout_s, stop_on_failure, report
+        if rounds < 1:
+            raise ValueError(f"hydra.launcher.rounds={rounds}: must be at least 1")
+        self.rounds = rounds
         self.config: Optional[DictConfig] = None
 
     def setup(self, *, hydra_context: HydraContext, task_function: TaskFunction, config: DictConfig) -> None:
@@ -78,25 +85,33 @@ class TorchrunLauncher(Launcher):
         script = os.path.abspath(sys.argv[0])
         index_path = sweep_dir / "sweep.json"
         index = json.loads(index_path.read_text()) if index_path.exists() else {"jobs": []}
-        results, failed = [], False
-        for i, (overrides, label) in enumerate(zip(job_overrides, job_labels(job_overrides))):
+        results, failed = {}, False
+        # What the machine was doing (the report prints it): load averages around the sweep.
+        index.setdefault("loadavg", {"before": list(os.getloadavg()), "cores": os.cpu_count()})
+        jobs = list(enumerate(zip(job_overrides, job_labels(job_overrides))))
+        # Round k runs the list in reverse when k is odd: a drift of the machine's load during the
+        # sweep then does not always favour the same jobs (the report pools the rounds' timings).
+        schedule = [(k, job) for k in range(self.rounds) for job in (jobs if k % 2 == 0 else jobs[::-1])]
+        for n_done, (rnd, (i, (overrides, label))) in enumerate(schedule):
             num = initial_job_idx + i
-            name = f"{num}-{label}"
+            name = f"{num}-{label}" + (f"-r{rnd}" if rnd else "")
             run_dir = sweep_dir / name
             # hydra.* overrides configure this process's sweep, not the job.
             job_args = [o for o in overrides if not o.lstrip("+~").startswith(("hydra.", "hydra/"))]
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                    f"--nproc_per_node={self.nproc_per_node}", *self.extra_args, script, *job_args,
                    f"run.dir={run_dir}"]
-            entry = {"num": num, "name": name, "overrides": list(overrides), "run_dir": str(run_dir),
+            entry = {"num": num, "round": rnd, "name": name, "overrides": list(overrides), "run_dir": str(run_dir),
                      "log": str(sweep_dir / f"{name}.log"), "command": cmd}
             ret = JobReturn(overrides=list(overrides), working_dir=str(run_dir), task_name=name)
             if failed and self.stop_on_failure:
                 entry["status"] = "not run"
                 ret.status, ret._return_value = JobStatus.FAILED, RuntimeError(f"{name}: not run (an earlier job failed)")
             else:
-                print(f"[sweep {num + 1}/{initial_job_idx + len(job_overrides)}] {' '.join(job_args)}", flush=True)
+                print(f"[sweep {n_done + 1}/{len(schedule)}] {' '.join(job_args)}"
+                      + (f" (round {rnd + 1}/{self.rounds})" if self.rounds > 1 else ""), flush=True)
                 t0 = time.time()
+                entry["loadavg_before"] = list(os.getloadavg())
                 with open(entry["log"], "w") as out:
                     # one wandb group per sweep (zerolab.metrics reads it)
                     env = dict(os.environ, ZEROLAB_WANDB_GROUP=f"{self.config.experiment}/{sweep_dir.name}")
@@ -105,7 +120,7 @@ class TorchrunLauncher(Launcher):
                                               timeout=self.timeout_s or None).returncode
                     except subprocess.TimeoutExpired:
                         code = 124
-                entry.update(returncode=code, seconds=round(time.time() - t0, 1))
+                entry.update(returncode=code, seconds=round(time.time() - t0, 1), loadavg_after=list(os.getloadavg()))
                 if code == 0:
                     entry["status"] = "ok"
                     ret.status = JobStatus.COMPLETED
@@ -119,11 +134,14 @@ class TorchrunLauncher(Launcher):
                           file=sys.stderr, flush=True)
                     ret.status = JobStatus.FAILED
                     ret._return_value = RuntimeError(f"job {name} exited with {code}; see {entry['log']}")
-            index["jobs"] = [j for j in index["jobs"] if j["num"] != num] + [entry]
+            index["jobs"] = [j for j in index["jobs"] if (j["num"], j.get("round", 0)) != (num, rnd)] + [entry]
+            index["loadavg"]["after"] = list(os.getloadavg())
             tmp = index_path.with_suffix(".tmp")
             tmp.write_text(json.dumps(index, indent=2))
             os.replace(tmp, index_path)
-            results.append(ret)
+            if i not in results or ret.status == JobStatus.FAILED:  # one return per job; a failed round fails it
+                results[i] = ret
+        results = [results[i] for i in sorted(results)]
         if self.report and any(r.status == JobStatus.COMPLETED for r in results):
             # The comparison of everything in the sweep directory (earlier batches included).
             print(f"[sweep] report: python -m zerolab compare {sweep_dir} --out {sweep_dir / 'report'}", flush=True)
