@@ -21,20 +21,13 @@ from typing import Optional
 import torch
 from omegaconf import DictConfig, OmegaConf
 from zerolab import dist as zdist
-<<<<<<< HEAD
 from zerolab import runlock
 from zerolab.config import Config, ConfigError, global_batch, to_dict, validate
 from zerolab.checkpoint import Checkpointer, _writes_checkpoints, model_layout
 from zerolab.data import WindowSampler, build_data, check_data
+from zerolab.digest import write_digest
 from zerolab.errors import ZerolabError, debug_enabled, report
 from zerolab.fault import FaultInjector, ProgressBoard, RankStopped
-=======
-from zerolab.config import Config, global_batch, to_dict, validate
-from zerolab.checkpoint import Checkpointer, model_layout
-from zerolab.data import WindowSampler, build_data
-from zerolab.digest import write_digest
-from zerolab.fault import FaultInjector, ProgressBoard
->>>>>>> h13a
 from zerolab.memory import check_against, ledger_for_run, process_memory, process_summary
 from zerolab.errors import ZerolabError
 from zerolab.metrics import MetricsSink, Progress
@@ -285,7 +278,6 @@ class Trainer:
         """Every rank agreed to stop after `done` steps: checkpoint (unless this step's periodic
         save already did), record why, and raise Preempted (exit code zerolab.preempt.EXIT_PREEMPTED)."""
         cfg, ctx = self.cfg, self.ctx
-<<<<<<< HEAD
         why = StopRequest.signal_name or "a stop signal received by another rank"
         path = saved
         if path is None and _writes_checkpoints(self.strategy):
@@ -299,11 +291,6 @@ class Trainer:
             self.metrics.log(record)
             write_json(os.path.join(self.run_dir, MARKER), {**record, "max_steps": cfg.trainer.max_steps})
         self.metrics.close({"stopped": "preempted", "stopped_at_step": done})
-=======
-        weights = self.strategy.consolidated_state_dict()  # collective
-        # Fixed held-out logits and the noise-level gradient probe, for the parity report (collective).
-        digest = write_digest(self.model, self.data, cfg.model, weights, self.run_dir, ctx.is_main, ctx.device)
->>>>>>> h13a
         self.progress.close()
         resume = (f"resume it with checkpoint.resume=auto run.dir={self.run_dir}" if path else
                   "no checkpoint was written (this strategy cannot write one)")
@@ -340,6 +327,8 @@ class Trainer:
         cfg, ctx = self.cfg, self.ctx
         steps_run = len(step_times)  # this process's steps (a resumed run counts from its resume step)
         weights = self.strategy.consolidated_state_dict()  # collective
+        # Fixed held-out logits and the noise-level gradient probe, for the parity report (collective).
+        digest = write_digest(self.model, self.data, cfg.model, weights, self.run_dir, ctx.is_main, ctx.device)
         summary = {
             "final_loss": loss, "eval_loss": None if last_record else eval_loss, "steps": cfg.trainer.max_steps,
             "world_size": ctx.world_size, "strategy": cfg.strategy.name, "precision": cfg.precision.name,
