@@ -327,8 +327,6 @@ class Trainer:
         cfg, ctx = self.cfg, self.ctx
         steps_run = len(step_times)  # this process's steps (a resumed run counts from its resume step)
         weights = self.strategy.consolidated_state_dict()  # collective
-        # Fixed held-out logits and the noise-level gradient probe, for the parity report (collective).
-        digest = write_digest(self.model, self.data, cfg.model, weights, self.run_dir, ctx.is_main, ctx.device)
         summary = {
             "final_loss": loss, "eval_loss": None if last_record else eval_loss, "steps": cfg.trainer.max_steps,
             "world_size": ctx.world_size, "strategy": cfg.strategy.name, "precision": cfg.precision.name,
@@ -340,7 +338,7 @@ class Trainer:
             "peak_memory_per_rank": [{k: v for k, v in r.items() if "peak" in k or "max" in k} for r in per_rank],
             "memory_per_rank": [{k: v for k, v in r.items() if k.startswith("mem/")} for r in per_rank],
             "memory_ledger": {**self.mem_check, "process_per_rank": process_summary(per_rank)},
-            "run_dir": self.run_dir, "metrics": self.metrics.path, "eval_digest": digest,
+            "run_dir": self.run_dir, "metrics": self.metrics.path, "eval_digest": None,
         }
         error = self.skipped_error(skipped, steps_run)
         if error:
@@ -355,19 +353,23 @@ class Trainer:
                 os.replace(path + ".tmp", path)
                 summary["weights"] = path
             write_json(summary_path, summary)
-        del weights
-        if last_record is not None:
-            try:
+        try:  # everything after this point evaluates the model: it may fail, the weights are safe
+            # Fixed held-out logits and the noise-level gradient probe, for the parity report (collective).
+            summary["eval_digest"] = write_digest(self.model, self.data, cfg.model, weights, self.run_dir,
+                                                  ctx.is_main, ctx.device)
+            del weights
+            if last_record is not None:
                 eval_loss = summary["eval_loss"] = last_record["eval_loss"] = self.evaluate()
-            except BaseException as err:
-                if ctx.is_main:  # the weights are saved; say in the summary why eval_loss is missing
-                    summary["final_eval_error"] = f"{type(err).__name__}: {err}"[:1000]
-                    write_json(summary_path, summary)
-                raise
-            finally:
-                self.metrics.log(last_record)  # with eval_loss if the eval completed
-            if ctx.is_main:
+        except BaseException as err:
+            if ctx.is_main:  # the weights are saved; say in the summary why eval_loss is missing
+                summary["final_eval_error"] = f"{type(err).__name__}: {err}"[:1000]
                 write_json(summary_path, summary)
+            raise
+        finally:
+            if last_record is not None:
+                self.metrics.log(last_record)  # with eval_loss if the eval completed
+        if ctx.is_main:
+            write_json(summary_path, summary)
         self.progress.close()
         if ctx.is_main:
             log.info("eval loss %.4f (uniform baseline ln 256 = 5.545) | p50 step %.3fs", eval_loss,
