@@ -135,7 +135,9 @@ def test_nonfinite_gradient_stop_names_step_and_tensor(tmp_path):
                      "fault.inf_grad_step=2", check=False)
     assert proc.returncode != 0
     err = proc.stdout + proc.stderr
-    assert "NonFiniteGradient" in err and "step 2 (0-based" in err and "first non-finite gradient: wte.weight" in err
+    # One explained failure, from rank 0: no rank is blamed for "stopping" (each raised by itself).
+    assert err.count("zerolab: error: step 2 (0-based") == 1, err[-4000:]
+    assert "first non-finite gradient: wte.weight" in err and "RankStopped" not in err
 
 
 @pytest.mark.slow
@@ -199,13 +201,15 @@ def test_bf16_pure_stalls_where_master_weights_keep_improving(tmp_path):
         summary = json.loads((run / "summary.json").read_text())
         eval_loss[prec] = summary["eval_loss"]
         ratio[prec] = read_metrics(run)[-1]["update_ratio"]
-    start = 5.35  # loss of the untrained model on this data (both runs share init and batches)
+        start = read_metrics(run)[0]["loss"]  # step 1's loss: the untrained model (shared init and batches)
+    # Measured on the generated test corpus: start 5.52, eval bf16 5.26 (gain 0.26), bf16_pure 5.45
+    # (gain 0.07); on the interpreter's corpus the gap was 0.17. Each bound is about half of what
+    # was measured: the master copy learns, the pure run keeps well under half of that gain.
     gain_master, gain_pure = start - eval_loss["bf16"], start - eval_loss["bf16_pure"]
-    assert gain_master > 0.15, eval_loss
+    assert gain_master > 0.1, (start, eval_loss)
     assert eval_loss["bf16_pure"] - eval_loss["bf16"] > 0.08, eval_loss
-    assert gain_pure < 0.7 * gain_master, eval_loss
-    # The applied update is what shrinks: bf16_pure's realized ‖Δw‖/‖w‖ vs the master copy's.
-    assert ratio["bf16_pure"] < 0.6 * ratio["bf16"], ratio  # measured 0.51
+    assert gain_pure < 0.5 * gain_master, (start, eval_loss)
+    assert ratio["bf16_pure"] < 0.6 * ratio["bf16"], ratio  # measured 0.49 and 0.51 on the two corpora
 
 
 @pytest.mark.slow

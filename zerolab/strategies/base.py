@@ -21,6 +21,7 @@ import torch.nn as nn
 from zerolab.comm import CommCounter
 from zerolab.config import Config
 from zerolab.dist import DistContext
+from zerolab.errors import ZerolabError
 from zerolab.precision import Precision, clip_coefficient, grad_norm_sq
 
 _log = logging.getLogger("zerolab")
@@ -36,8 +37,12 @@ class ShardPiece:
     shape: tuple  # shape of the full tensor
 
 
-class NonFiniteGradient(RuntimeError):
-    pass
+class NonFiniteGradient(ZerolabError):
+    """trainer.nonfinite=stop: the global gradient norm is not finite. Every rank sees the same
+    all-reduced norm and raises together, so rank 0 alone reports it (and no rank is blamed as
+    having stopped: nothing stopped, the numbers did)."""
+
+    same_on_every_rank = True
 
 
 @dataclass
