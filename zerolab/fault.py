@@ -16,6 +16,7 @@ moves (frozen or dead) or that is steps behind is named, with the step and phase
 """
 from __future__ import annotations
 
+import atexit
 import datetime
 import logging
 import os
@@ -118,6 +119,10 @@ class ProgressBoard:
             self.store.set(f"who/{rank}", f"{self.host} {os.getpid()}")
             self._thread = threading.Thread(target=self._beat, name="zerolab-heartbeat", daemon=True)
             self._thread.start()
+            # A board nobody closed (a Trainer used from a script) must not leave its thread inside
+            # a store call while the interpreter shuts down: that aborts the process ("terminate
+            # called without an active exception"). atexit runs before the shutdown.
+            atexit.register(self.close)
 
     def _beat(self) -> None:
         from zerolab.preempt import StopRequest
