@@ -116,7 +116,7 @@ def test_unrecorded_deepspeed_file_is_refused(tmp_path, ds_run):
 def test_disk_full_during_save(tmp_path):
     """A tmpfs that holds one checkpoint of gpt_tiny under ddp but not two: the second save fails."""
     if os.geteuid() != 0:
-        pytest.skip("mounting a small tmpfs needs root (this test fills a real filesystem)")
+        pytest.skip(reason="mounting a small tmpfs needs root (this test fills a real filesystem)")
     from zerolab.config import compose
     from zerolab.models import build_model
 
@@ -128,7 +128,7 @@ def test_disk_full_during_save(tmp_path):
     mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={int(1.6 * one)}", "tmpfs", str(mnt)],
                              capture_output=True, text=True)
     if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
+        pytest.skip(reason=f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
     try:
         ck = mnt / "checkpoints"
         proc = run_train(tmp_path / "run", 2, *TINY, "trainer.max_steps=3", "checkpoint.every=1",

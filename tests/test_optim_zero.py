@@ -21,6 +21,7 @@ def test_lamb_zero2_equals_ddp(tmp_path):
     run_train(ddp, 2, *COMMON, "strategy=ddp")
     run_train(zero, 2, *COMMON, "strategy=zero2")
     diff = max_rel_diff(load_weights(zero), load_weights(ddp))
+    # Measured 1.6e-7 after 10 fp32 steps (README); 1e-6 is ~6x, a per-group trust ratio is ~1e-2 off.
     assert diff < 1e-6, f"LAMB zero2 vs ddp: max relative difference {diff:.3g}"
     torch.manual_seed(1337)  # the trainer's seed: the initial weights
     init = build_model(compose(["model=gpt_tiny", "model.bias=false"]).model).state_dict()
