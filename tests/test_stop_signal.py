@@ -25,8 +25,19 @@ def test_first_signal_is_recorded_and_agreed_alone(stop_request):
     assert not stop_request.agreed(torch.device("cpu"), 1)
     os.kill(os.getpid(), signal.SIGUSR1)  # handled before os.kill returns to Python code
     assert stop_request.signal_name == "SIGUSR1"
-    os.kill(os.getpid(), signal.SIGUSR1)  # a repeated USR1 changes nothing; a second TERM would kill
+    os.kill(os.getpid(), signal.SIGUSR1)  # a repeated USR1 changes nothing
     assert stop_request.signal_name == "SIGUSR1"
+    assert stop_request.agreed(torch.device("cpu"), 1)
+
+
+def test_repeated_sigterm_does_not_kill(stop_request):
+    """Slurm signals every process of a step and torchrun forwards its own copy: a rank gets the same
+    stop twice. The second must not end the process before the checkpoint (this test's own process
+    would die with it)."""
+    os.kill(os.getpid(), signal.SIGTERM)
+    os.kill(os.getpid(), signal.SIGTERM)
+    os.kill(os.getpid(), signal.SIGTERM)
+    assert stop_request.signal_name == "SIGTERM"
     assert stop_request.agreed(torch.device("cpu"), 1)
 
 

@@ -6,7 +6,14 @@ them after its grace period (`--shutdown-timeout`, default 30 s); launch/slurm.s
 Slurm's early warning (USR1) into the same SIGTERM. A handler here only records the request: the
 rank finishes the step it is in, then all ranks agree through one tiny all-reduce per step (MAX of
 a 0/1 flag, so no rank stops alone and all stop after the same step), save a checkpoint and exit
-with EXIT_PREEMPTED. A second SIGTERM before that ends the process at once, as without zerolab.
+with EXIT_PREEMPTED.
+
+A repeated signal changes nothing. Under Slurm one stop reaches a rank twice: slurmstepd signals
+every process of the step (proctrack tracks the whole tree, torchrun's workers included) and the
+torchrun agent forwards its own copy a moment later. Whether the two merge into one pending signal
+depends on scheduling, so "a second SIGTERM kills at once" lost the checkpoint on a busy machine.
+The hard stop belongs to the launcher: torchrun SIGKILLs workers after --shutdown-timeout (30 s),
+Slurm after KillWait; by hand, `kill -9` or Ctrl-C (SIGINT is not handled here).
 """
 from __future__ import annotations
 
@@ -53,12 +60,9 @@ class StopRequest:
     @classmethod
     def _handle(cls, signum, frame) -> None:
         name = signal.Signals(signum).name
-        if cls.signal_name is not None and signum == signal.SIGTERM:
-            # Asked twice: whoever sends it does not want to wait for the save.
-            signal.signal(signum, signal.SIG_DFL)
-            os.kill(os.getpid(), signum)
-            return
-        cls.signal_name = cls.signal_name or name
+        if cls.signal_name is not None:
+            return  # the same stop delivered again (see the module docstring): already recorded
+        cls.signal_name = name
         # os.write: no locks taken inside a signal handler (print/logging could deadlock).
         os.write(2, f"zerolab: rank {os.environ.get('RANK', '0')} got {name}; stopping after this step "
                     f"with a checkpoint\n".encode())
