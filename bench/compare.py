@@ -26,7 +26,7 @@ sys.path.insert(0, str(ROOT))
 
 from zerolab.comm import theory_bytes_per_step  # noqa: E402
 from zerolab.metrics import read_jsonl  # noqa: E402
-from zerolab.report import percentile  # noqa: E402
+from zerolab.stats import percentile  # noqa: E402
 
 
 def main() -> int:

@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from zerolab.config import compose  # noqa: E402
 from zerolab.models import build_model  # noqa: E402
 from zerolab.optim import AdamW  # noqa: E402
-from zerolab.trainer import percentile  # noqa: E402
+from zerolab.stats import percentile  # noqa: E402
 
 HP = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 

@@ -25,7 +25,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from zerolab import dist as zdist  # noqa: E402
 from zerolab.comm import theory_bytes_per_step  # noqa: E402
 from zerolab.config import compose  # noqa: E402
-from zerolab.trainer import Trainer, percentile  # noqa: E402
+from zerolab.stats import percentile  # noqa: E402
+from zerolab.trainer import Trainer  # noqa: E402
 
 DEFAULTS = ["model=gpt_small", "data=synthetic", "data.micro_batch=8", "precision=fp32",
             "logging.wandb.mode=disabled", "logging.progress=false", "run.save_model=false"]

@@ -19,6 +19,9 @@ from zerolab.config import PrecisionConfig
 log = logging.getLogger(__name__)
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "bf16_pure": torch.bfloat16}
+# Bytes per element of each mode's compute dtype (the model's weights and gradients): the one
+# precision-to-bytes table, read by the memory ledger and the report.
+COMPUTE_BYTES = {name: dtype.itemsize for name, dtype in _DTYPES.items()}
 
 
 class LossScaleUnderflow(RuntimeError):

@@ -29,6 +29,8 @@ from typing import Optional
 
 from zerolab.comm import theory_bytes_per_step
 from zerolab.memory import CATEGORIES
+from zerolab.precision import COMPUTE_BYTES as GRAD_BYTES  # gradients travel in the compute dtype
+from zerolab.stats import percentile
 
 # Parity tolerance on max relative |Δparam| against a baseline of the same precision. fp32 runs
 # of the same math agree to ~1e-7 (tests); 16-bit runs round differently on every path, so
@@ -39,7 +41,6 @@ TOLERANCE = {"fp32": 1e-5, "bf16": 5e-2, "fp16": 5e-2, "bf16_pure": 5e-2}
 # after a few layers; 1e-4 leaves three orders of magnitude for that while a real difference
 # (DeepSpeed + a client LAMB: weights 4e-2 apart) is far above it.
 FUNCTION_TOLERANCE = {"fp32": 1e-4, "bf16": 5e-2, "fp16": 5e-2, "bf16_pure": 5e-2}
-GRAD_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "bf16_pure": 2}
 COLORS = {"params": "#4c72b0", "grads": "#dd8452", "master": "#55a868", "optim_state": "#c44e52", "buffers": "#8172b3"}
 
 
@@ -134,11 +135,6 @@ def sweep_info(paths: list[str]) -> tuple[dict[Path, int], list[dict]]:
             if "loadavg" in sweep:
                 loads.append({"sweep": p.name, **sweep["loadavg"]})
     return rounds, loads
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(round(q / 100 * (len(ordered) - 1))))]
 
 
 def _series(run: Run, key: str) -> list[tuple[int, float]]:

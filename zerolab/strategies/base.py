@@ -23,6 +23,7 @@ from zerolab.config import Config
 from zerolab.dist import DistContext
 from zerolab.errors import ZerolabError
 from zerolab.precision import Precision, clip_coefficient, grad_norm_sq
+from zerolab.strategies.memory_protocol import MemoryModel
 
 _log = logging.getLogger("zerolab")
 
@@ -53,7 +54,7 @@ class StepInfo:
     extra: dict = field(default_factory=dict)  # strategy- or optimizer-specific metrics
 
 
-class Strategy(abc.ABC):
+class Strategy(MemoryModel, abc.ABC):  # MemoryModel: predict_memory and what the ledger asks
     name: str = "?"
     sharded_grads: bool = False  # True when each rank holds only part of the gradient
 

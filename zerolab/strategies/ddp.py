@@ -14,6 +14,8 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
 from zerolab.memory import StorageCounter
+from zerolab.memory.prediction import MIXED, dtype_name
+from zerolab.precision import COMPUTE_BYTES
 from zerolab.precision import MasterCopy
 from zerolab.strategies.base import OptimizerFactory, ShardPiece, StepInfo, Strategy
 
@@ -120,3 +122,17 @@ class DDPStrategy(Strategy):
                 state[kind] = read(f"{kind}/{name}", 0, n).view(p.shape).to(device=p.device, dtype=p.dtype)
         if self.master:
             self.master.master_to_model()
+
+    # ---- memory prediction (zerolab.memory; the protocol: strategies/memory_protocol.py) ---------
+    @classmethod
+    def predict_memory(cls, p, shape, *, precision, k, **_) -> None:
+        n, c, dt = shape.n_params, COMPUTE_BYTES[precision], dtype_name(precision)
+        p.add("params", n * c, f"{dt} weights: Ψ × {c}")
+        p.add("grads", n * c, f"{dt} gradients, views into DDP's all-reduce buckets: Ψ × {c}")
+        s = 4 if precision != "bf16_pure" else 2  # the optimizer updates fp32 masters, or the bf16 weights
+        if precision in MIXED:
+            p.add("master", n * 4, "fp32 master weights: Ψ × 4")
+            p.add("transient", n * 4, "fp32 copies of the gradients while the optimizer steps: Ψ × 4")
+        p.add("optim_state", n * k * s, f"optimizer state: Ψ × {k:g} elements × {s}")
+        if shape.buffer_bytes:
+            p.add("buffers", shape.buffer_bytes, "model buffers")

@@ -30,6 +30,9 @@ import torch.nn as nn
 from zerolab.config import ConfigError
 from zerolab.errors import ZerolabError
 from zerolab.memory import StorageCounter
+from zerolab.memory.prediction import NotPredicted, ceil_div, dtype_name, fmt_n
+from zerolab.memory.shapes import ModelShape
+from zerolab.precision import COMPUTE_BYTES
 from zerolab.strategies.base import OptimizerFactory, StepInfo, Strategy
 
 INSTALL_HINT = "pip install deepspeed==0.19.8"
@@ -367,3 +370,94 @@ class DeepSpeedStrategy(Strategy):
             # a clone per name: tied weights (wte / lm_head) must not share storage in the file
             out[name] = (full[id(t)] if id(t) in full else t.detach().float().cpu()).clone()
         return out
+
+    # ---- memory prediction (zerolab.memory; the protocol: strategies/memory_protocol.py) ---------
+    sweep_stages = (1, 2, 3)
+    uneven_memory = True  # a rank keeps whole the gradients of the tensors overlapping its partition
+
+    @classmethod
+    def memory_identity(cls, stage: int) -> tuple[str, int]:
+        if stage not in (1, 2, 3):
+            raise ValueError(f"strategy=deepspeed needs --stage 1, 2 or 3 (got {stage})")
+        return f"deepspeed-{stage}", stage
+
+    @classmethod
+    def predict_memory(cls, p, shape, *, world, precision, k, stage, bucket_mb, rank, **_) -> None:
+        """DeepSpeed 0.19 as it allocates (runtime/zero/stage_1_and_2.py, stage3.py), at the moment of the
+        optimizer update, where its model states peak."""
+        n, c, dt, N = shape.n_params, COMPUTE_BYTES[precision], dtype_name(precision), world
+        if precision == "bf16_pure":
+            raise NotPredicted("DeepSpeed has no bf16_pure mode (its bf16 ZeRO keeps fp32 master weights); "
+                               "use --precision bf16")
+        if stage in (1, 2):
+            # Each group's flat 16-bit buffer is padded to a multiple of 2N (4-byte alignment of fp16
+            # partitions); every rank owns 1/N of it.
+            padded = [ceil_div(g, 2 * N) * 2 * N for g in shape.group_numels]
+            part = sum(g // N for g in padded)
+            p.add("params", sum(padded) * c,
+                  f"{dt} flat weight buffer, padded to a multiple of 2N: {fmt_n(sum(padded))} × {c}")
+            # With overlap_comm (zerolab's default) stage 1 reduces during backward like stage 2: the
+            # rank keeps the gradients of the tensors that overlap its partition, whole.
+            owned = ds_grads_in_partition(shape, N, rank)
+            p.add("grads", owned * c, f"{dt} gradients of the tensors overlapping this partition, whole "
+                                      f"(grads_in_partition): {fmt_n(owned)} × {c}")
+            p.add("transient", part * 4, f"fp32 gradient partition, alive inside step() only: {fmt_n(part)} × 4")
+            p.add("master", part * 4, f"fp32 weight partition (kept even in fp32 training): {fmt_n(part)} × 4")
+            p.add("optim_state", part * k * 4, f"optimizer state of the partition: {fmt_n(part)} × {k:g} × 4")
+            p.add("transient", min(int(bucket_mb * 2 ** 20), n * c),
+                  f"{dt} reduce bucket during backward (reduce_bucket_size = strategy.bucket_mb)")
+            p.why = (("with overlap_comm stage 1 frees the gradients outside its partition, as stage 2 does (the paper's "
+                      "stage 1 keeps all of them); " if stage == 1 else "")
+                     + f"the tensors overlapping the partition keep whole {dt} gradients; flat buffers padded to 2N; "
+                     + ("an fp32 weight partition (4Ψ/N) even in fp32 training; " if precision == "fp32" else "")
+                     + "the fp32 gradient partition (4Ψ/N) exists inside step() only (transient, not counted)")
+            p.notes.append("with overlap_comm, stage 1 frees gradients outside its partition during backward, as stage 2 "
+                           "does; vs the paper: an fp32 gradient partition (4Ψ/N) exists during step() on top of the "
+                           f"{dt} gradients" + ("; in fp32 training the fp32 partition duplicates the weights (4Ψ/N)"
+                                                if precision == "fp32" else ""))
+            return
+        # Stage 3: every tensor is padded to a multiple of N and partitioned on its own; tensors of at most
+        # 1e5 elements (stage3_param_persistence_threshold) also stay whole on every rank.
+        sizes = [math.prod(s) for s in shape.shapes]
+        part = sum(ceil_div(x, N) for x in sizes)
+        persistent = sum(x for x in sizes if x <= DS_PERSISTENCE_THRESHOLD)
+        p.add("params", part * c, f"{dt} weight partitions, each tensor padded to N: {fmt_n(part)} × {c}")
+        if persistent:
+            p.add("params", persistent * c, f"small tensors kept whole on every rank: {fmt_n(persistent)} × {c}")
+        p.add("grads", part * c, f"{dt} gradient partitions (flat buffer): {fmt_n(part)} × {c}")
+        p.add("transient", part * 4, f"fp32 gradient partition, alive inside step() only: {fmt_n(part)} × 4")
+        p.add("master", part * 4, f"fp32 weight partition (kept even in fp32 training): {fmt_n(part)} × 4")
+        p.add("optim_state", part * k * 4, f"optimizer state of the partition: {fmt_n(part)} × {k:g} × 4")
+        p.add("transient", min(int(bucket_mb * 2 ** 20), n * c),
+              f"{dt} reduce bucket during backward (reduce_bucket_size = strategy.bucket_mb)")
+        biggest = max(sizes)
+        p.add("transient", biggest * c, "weights all-gathered for the module being computed (largest tensor)")
+        p.why = ("each tensor padded to N; " + ("an fp32 weight partition (4Ψ/N) even in fp32 training; "
+                                                if precision == "fp32" else "")
+                 + "the fp32 gradient partition (4Ψ/N) exists inside step() only (transient, not counted)")
+        p.notes.append("vs the paper: the fp32 gradient partition (4Ψ/N) during step(); with DeepSpeed's default "
+                       "stage3_param_persistence_threshold (1e5, zerolab sets 0) small tensors also stay whole on every rank")
+
+
+# DeepSpeed stage 3 keeps tensors of at most this many elements whole on every rank. DeepSpeed's
+# default is 1e5; zerolab's deepspeed strategy sets stage3_param_persistence_threshold to 0.
+DS_PERSISTENCE_THRESHOLD = 0
+
+
+def ds_grads_in_partition(shape: ModelShape, world: int, rank: int) -> int:
+    """Elements of DeepSpeed 1/2's 16-bit gradient buffer on `rank` (grads_in_partition): every
+    tensor that overlaps the rank's partition of its group's flat buffer, whole."""
+    if not shape.exact:
+        return sum(ceil_div(x, 2 * world) * 2 for x in shape.group_numels)
+    total = 0
+    for g, numel in enumerate(shape.group_numels):
+        part = ceil_div(numel, 2 * world) * 2  # padded to 2N, split in N
+        lo, hi, off = rank * part, (rank + 1) * part, 0
+        for gi, s in shape.tensors:
+            if gi != g:
+                continue
+            x = math.prod(s)
+            if off < hi and off + x > lo:
+                total += x
+            off += x
+    return total

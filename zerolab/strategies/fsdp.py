@@ -12,6 +12,7 @@ each synchronised backward reduce-scatters its gradients.
 """
 from __future__ import annotations
 
+import math
 from contextlib import contextmanager
 from typing import Optional
 
@@ -21,6 +22,8 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from zerolab.memory import StorageCounter
+from zerolab.memory.prediction import MIXED, ceil_div, dtype_name, fmt_n
+from zerolab.precision import COMPUTE_BYTES
 from zerolab.strategies.base import OptimizerFactory, StepInfo, Strategy
 
 
@@ -131,3 +134,30 @@ class FSDPStrategy(Strategy):
             if self.ctx.is_main:
                 out[name] = full.detach().float().cpu().clone()
         return out if self.ctx.is_main else None
+
+    # ---- memory prediction (zerolab.memory; the protocol: strategies/memory_protocol.py) ---------
+    paper_stage = 3
+
+    @classmethod
+    def predict_memory(cls, p, shape, *, world, precision, k, **_) -> None:
+        """FSDP2 (fully_shard): every parameter is a DTensor sharded on dim 0, padded to a multiple of N
+        rows. With MixedPrecisionPolicy the sharded parameters stay fp32 (they are the master weights)
+        and the compute-dtype copy exists only while a module runs."""
+        c, dt, N = COMPUTE_BYTES[precision], dtype_name(precision), world
+        shard = sum(ceil_div(s[0], N) * math.prod(s[1:]) for s in shape.shapes)
+        s = 2 if precision == "bf16_pure" else 4
+        kind = "bf16" if s == 2 else "fp32"
+        if precision in MIXED:
+            p.add("master", shard * 4, f"fp32 sharded parameters (the optimizer's weights): {fmt_n(shard)} × 4")
+        else:
+            p.add("params", shard * s, f"{kind} sharded parameters: {fmt_n(shard)} × {s}")
+        p.add("grads", shard * s, f"{kind} sharded gradients: {fmt_n(shard)} × {s}")
+        p.add("optim_state", shard * k * s, f"optimizer state of the shard: {fmt_n(shard)} × {k:g} × {s}")
+        biggest = max(math.prod(s_) for s_ in shape.shapes)
+        p.add("transient", biggest * c, f"{dt} unsharded weights of the module being computed (largest tensor)")
+        padded = shard * N > shape.n_params
+        p.why = "; ".join(w for w in ("no 16-bit weight shard (the fp32 shard is the weights) and an fp32 gradient shard "
+                                      "(4Ψ/N, not 2Ψ/N): the same total" if precision in MIXED else "",
+                                      "each tensor's dim 0 padded to a multiple of N" if padded else "") if w)
+        p.notes.append("vs the paper: no separate 16-bit weight shard; the gradient shard is fp32 (4Ψ/N, not 2Ψ/N)"
+                       if precision in MIXED else "every model state is sharded on dim 0 of each tensor")

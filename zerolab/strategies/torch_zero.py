@@ -12,12 +12,14 @@ Because parameters stay whole, layer-wise optimizers (LAMB, LARS) see true per-t
 from __future__ import annotations
 
 import inspect
+import math
 
 import torch
 import torch.nn as nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from zerolab.memory import StorageCounter
+from zerolab.memory.prediction import MIXED, ceil_div, fmt_n
 from zerolab.strategies.base import OptimizerFactory, StepInfo
 from zerolab.strategies.ddp import DDPStrategy
 
@@ -62,3 +64,37 @@ class TorchZeroStrategy(DDPStrategy):
         c.add_optimizer(self.optimizer.optim)  # the local optimizer: this rank's share of the state
         c.add("buffers", self.model.buffers())
         return c.result()
+
+    # ---- memory prediction (zerolab.memory; the protocol: strategies/memory_protocol.py) ---------
+    paper_stage = 1
+    sweep_stages = ()  # the sweep shows rank 0 only; this strategy's shards are uneven
+    uneven_memory = True
+
+    @classmethod
+    def predict_memory(cls, p, shape, *, world, precision, k, rank, **_) -> None:
+        """Only the optimizer state is sharded, by whole tensors: DDP's terms with this rank's state."""
+        super().predict_memory(p, shape, precision=precision, k=k)
+        owned = torch_zero_partition(shape, world)[rank]
+        s = 2 if precision == "bf16_pure" else 4
+        p.terms = [t for t in p.terms if t.category != "optim_state"]
+        p.add("optim_state", owned * k * s, f"optimizer state of the whole tensors rank {rank} owns: "
+                                            f"{fmt_n(owned)} × {k:g} × {s}")
+        p.why = ("only the optimizer state is sharded" + (" (the fp32 master copy stays whole: 4Ψ, not 4Ψ/N)"
+                                                       if precision in MIXED else "")
+                 + ", by whole tensors, so shards are uneven")
+        p.notes.append("whole tensors are assigned greedily, so shards are uneven: "
+                       + ", ".join(f"rank {r} {fmt_n(x)}" for r, x in enumerate(torch_zero_partition(shape, world))))
+
+
+def torch_zero_partition(shape, world: int) -> list[int]:
+    """Elements each rank's optimizer owns under torch's ZeroRedundancyOptimizer: per param group,
+    whole tensors largest first, each to the rank with the fewest elements so far (sizes carry
+    over between groups; ties go to the lowest rank)."""
+    if not shape.exact:
+        return [ceil_div(shape.n_params, world)] * world
+    sizes = [0] * world
+    for g in range(len(shape.group_numels)):
+        numels = sorted((math.prod(s) for gi, s in shape.tensors if gi == g), reverse=True)
+        for x in numels:
+            sizes[sizes.index(min(sizes))] += x
+    return sizes

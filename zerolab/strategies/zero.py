@@ -40,11 +40,12 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from zerolab.buckets import MAX_IN_FLIGHT, pack_buckets, zero_buckets
 from zerolab.memory import StorageCounter
+from zerolab.memory.prediction import MIXED, dtype_name, fmt_n
 from zerolab.optim.segments import Segment
+from zerolab.precision import COMPUTE_BYTES
 from zerolab.strategies.base import OptimizerFactory, ShardPiece, StepInfo, Strategy
-
-MAX_IN_FLIGHT = 4  # zero2: reduce-scatters allowed in flight before backward waits for the oldest
 
 
 @dataclass
@@ -69,25 +70,6 @@ class FlatGroup:
     master: nn.Parameter  # the shard the optimizer updates (fp32; bf16 in bf16_pure); .grad: its gradient
     segments: list[Segment] = field(default_factory=list)
     names: list[str] = field(default_factory=list)
-
-
-def pack_buckets(tensors: list[tuple[int, int]], cap: int) -> list[tuple[int, list[int]]]:
-    """Bucket packing, shared with the memory ledger's prediction. `tensors` lists (param group,
-    numel) in registration order. Greedy in reverse registration order (≈ the order gradients
-    become ready in backward), one open bucket per group, closed once it holds `cap` elements.
-    Returns (group, tensor indices) per bucket, in the order buckets fill up (launch order)."""
-    open_: dict[int, list[int]] = {}
-    filled: dict[int, int] = {}
-    closed: list[tuple[int, list[int]]] = []
-    for i in reversed(range(len(tensors))):
-        group, numel = tensors[i]
-        open_.setdefault(group, []).append(i)
-        filled[group] = filled.get(group, 0) + numel
-        if filled[group] >= cap:
-            closed.append((group, open_.pop(group)))
-            filled[group] = 0
-    # the rest, by when their last tensor arrives (lowest registration index = latest gradient)
-    return closed + sorted(open_.items(), key=lambda kv: -kv[1][-1])
 
 
 class ZeroStrategy(Strategy):
@@ -380,10 +362,61 @@ class ZeroStrategy(Strategy):
     def _param_by_name(self) -> dict[str, torch.Tensor]:
         return dict(self.model.named_parameters())
 
+    # ---- memory prediction (zerolab.memory; the protocol: strategies/memory_protocol.py) ---------
+    @classmethod
+    def predict_memory(cls, p, shape, *, world, precision, k, bucket_mb, reduce_dtype, **_) -> None:
+        """Every bucket is padded to a multiple of N and rank r owns chunk r of each; master weights,
+        their gradient and the optimizer state are fp32 and exist for the owned chunks only.
+        Measured at the end of a step (as memory() sees it)."""
+        n, c, dt, N = shape.n_params, COMPUTE_BYTES[precision], dtype_name(precision), world
+        sizes = zero_buckets(shape, N, c, bucket_mb)
+        padded, shard = sum(sizes), sum(sizes) // N
+        pad = padded - n
+        p.add("params", n * c, f"{dt} weights, whole, views into per-bucket flat buffers: Ψ × {c}")
+        if pad:
+            p.add("params", pad * c, f"padding of {len(sizes)} bucket(s) to multiples of N: {fmt_n(pad)} × {c}")
+        if cls.stage == 1:
+            p.add("grads", padded * c, f"{dt} gradients, whole, views into per-bucket flat buffers "
+                                       f"(kept between steps): {fmt_n(padded)} × {c}")
+        s = 2 if precision == "bf16_pure" else 4  # bf16_pure updates a bf16 shard: no fp32 anywhere
+        sd = "bf16" if s == 2 else "fp32"
+        p.add("grads", shard * s, f"{sd} gradient shard (the owned chunks): {fmt_n(shard)} × {s}")
+        p.add("master", shard * s, f"{sd} {'weight' if s == 2 else 'master'} shard the optimizer updates: "
+              f"{fmt_n(shard)} × {s}"
+              + (" (in fp32 training it duplicates the owned weights)" if precision == "fp32" else ""))
+        p.add("optim_state", shard * k * s, f"optimizer state of the shard: {fmt_n(shard)} × {k:g} × {s}")
+        rb = 4 if reduce_dtype == "fp32" else c
+        if cls.stage == 2:
+            p.add("transient", min(len(sizes), 1 + MAX_IN_FLIGHT) * max(sizes) * rb,
+                  "gradient buckets copied for reduce-scatter, freed as each finishes during backward "
+                  f"(at most MAX_IN_FLIGHT = {MAX_IN_FLIGHT} in flight plus the one filling)")
+        elif rb != c:
+            p.add("transient", max(sizes) * rb, "fp32 copy of a bucket for reduce-scatter (strategy.reduce_dtype=fp32)")
+        p.add("transient", max(sizes) // N * (4 + rb), "reduce-scatter output / all-gather input chunk of one bucket")
+        if shape.buffer_bytes:
+            p.add("buffers", shape.buffer_bytes, "model buffers")
+        paper = "4Ψ + KΨ/N" if cls.stage == 1 else "2Ψ + (2 + K)Ψ/N"
+        why = [f"zerolab keeps its {sd} gradient shard ({s}Ψ/N) on top of the whole gradients (the paper reduces "
+               "into them, no shard)" if cls.stage == 1 else
+               f"zerolab's gradient shard is {sd} ({s}Ψ/N) where the paper's is {c}-byte ({c}Ψ/N)" if s != c else ""]
+        if precision not in MIXED:
+            why.append(f"the {sd} shard the optimizer updates duplicates the owned weights ({s}Ψ/N); without mixed "
+                       "precision the paper's K has no master copy")
+        if pad:
+            why.append("buckets are padded to multiples of N")
+        p.why = "; ".join(w for w in why if w)
+        p.notes.append(f"vs the paper ({paper} in mixed precision): the gradient shard is fp32 (4Ψ/N)"
+                       + (" on top of the whole 16-bit gradients" if cls.stage == 1 else " rather than 16-bit (2Ψ/N)")
+                       + ("; in fp32 training the fp32 master shard (4Ψ/N) duplicates owned weights"
+                          if precision == "fp32" else "")
+                       + ("; bf16_pure updates a bf16 shard (no fp32 copy)" if precision == "bf16_pure" else ""))
+
 
 class Zero1Strategy(ZeroStrategy):
     name, stage = "zero1", 1
+    paper_stage, memory_reference = 1, ("deepspeed", 1)  # memory: the paper's stage 1, beside DeepSpeed's
 
 
 class Zero2Strategy(ZeroStrategy):
     name, stage = "zero2", 2
+    paper_stage, memory_reference = 2, ("deepspeed", 2)  # memory: the paper's stage 2, beside DeepSpeed's

@@ -1,0 +1,185 @@
+"""`python -m zerolab memory`: the predicted ledger of one strategy as a table (or JSON) with the
+ZeRO paper beside it, or a sweep over world sizes for every strategy, optionally plotted."""
+from __future__ import annotations
+
+from zerolab.memory.paper import (format_paper, gb_figure, paper_bytes, paper_formula, paper_k, paper_k_text,
+                                  vs_paper)
+from zerolab.memory.prediction import (GB, GIB, NotPredicted, Prediction, fmt_n, human_bytes, predict,
+                                       predicted_strategies)
+from zerolab.memory.shapes import (ModelShape, load_model_config, optimizer_state_elements, shape_from_model_config,
+                                   shape_from_params)
+from zerolab.memory.storage import MODEL_STATES
+from zerolab.precision import COMPUTE_BYTES
+from zerolab.strategies import memory_model
+
+
+def _num(x: float) -> str:
+    """Two decimals for big figures, four significant digits for small ones."""
+    return f"{x:.2f}" if x >= 1 or x == 0 else f"{x:.4g}"
+
+
+def format_table(pred: Prediction, reference: Prediction | None = None) -> str:
+    b, n = pred.bytes(), pred.n_params
+    total = b["total"] or 1
+    head = (f"{pred.model}: {fmt_n(n)} parameters | strategy {pred.strategy} | precision {pred.precision} | "
+            f"optimizer {pred.optim} ({pred.state_elements:g} state elements/param) | world {pred.world} | per rank")
+    rows = [f"{'category':<13} {'bytes/param':>11} {'bytes':>19} {'GB':>10} {'GiB':>10} {'share':>7}"]
+
+    def row(label, v):
+        rows.append(f"{label:<13} {v / n:>11.3f} {v:>19,} {_num(v / GB):>10} {_num(v / GIB):>10} {100 * v / total:>6.1f}%")
+
+    for cat in MODEL_STATES:
+        row(cat, b[cat])
+    rows.append("-" * len(rows[0]))
+    row("model states", b["model_states"])
+    row("buffers", b["buffers"])
+    row("total", b["total"])
+    opt = b["master"] + b["optim_state"]
+    ms = b["model_states"] or 1
+    lines = [head, "", *rows, "",
+             f"model states (weights + grads + master + optimizer state, the ZeRO paper's definition): "
+             f"{b['model_states'] / n:.3f} bytes/param = {_num(b['model_states'] / GB)} GB per rank",
+             f"optimizer states (fp32 master + optimizer state): {opt / n:.3f} bytes/param = {_num(opt / GB)} GB "
+             f"= {100 * opt / ms:.1f}% of model states"]
+    if pred.transient_bytes:
+        lines.append(f"transient, on top during part of the step (not in total): {human_bytes(pred.transient_bytes)}")
+    lines += ["", *format_paper(pred, reference)]
+    lines += ["", "where it comes from:"]
+    lines += [f"  {t.category:<12} {human_bytes(t.bytes):>10}  {t.what}" for t in pred.terms]
+    lines += [f"  note: {note}" for note in pred.notes]
+    lines.append("  (activations are not included: they depend on batch and sequence length, not on the strategy)")
+    return "\n".join(lines)
+
+
+def sweep_predictions(shape: ModelShape, worlds: list[int], precision: str, optim: str, bucket_mb: float = 25.0,
+                      state_elements: float | None = None) -> dict[str, list[Prediction]]:
+    """Rank 0's prediction for each strategy (each of its MemoryModel.sweep_stages) at each world
+    size, in the registry's order; strategies that cannot run `precision` are left out."""
+    k = optimizer_state_elements(optim) if state_elements is None else state_elements
+    out = {}
+    for strategy in predicted_strategies():
+        for stage in memory_model(strategy).sweep_stages:
+            try:
+                row = [predict(shape, strategy, w, precision, optim, stage=stage, bucket_mb=bucket_mb,
+                               state_elements=k) for w in worlds]
+            except NotPredicted:
+                continue
+            out[row[0].strategy] = row
+    return out
+
+
+def sweep(shape: ModelShape, worlds: list[int], precision: str, optim: str, bucket_mb: float = 25.0,
+          state_elements: float | None = None) -> dict[str, list[int]]:
+    """Per-rank total bytes (model states + buffers) for each strategy at each world size."""
+    return {label: [p.bytes()["total"] for p in preds] for label, preds in
+            sweep_predictions(shape, worlds, precision, optim, bucket_mb, state_elements).items()}
+
+
+def format_sweep(shape: ModelShape, worlds: list[int], preds: dict[str, list[Prediction]], precision: str,
+                 optim: str) -> str:
+    """Per world size, the paper's figure beside the ledger's for each implementation; then, at the
+    largest N, why they differ."""
+    first = next(iter(preds.values()))[0]
+    lines = [f"{shape.name}: {fmt_n(shape.n_params)} parameters | precision {precision} | optimizer {optim} | "
+             "GB on rank 0",
+             f"paper: the ZeRO paper's formula (Rajbhandari et al. 2019), {paper_k_text(first)}; "
+             "ledger: model states + buffers as this implementation allocates them", ""]
+    lines.append(f"{'':<12}{'':<16}" + "".join(f"{'N=' + str(w):>16}" for w in worlds))
+    lines.append(f"{'strategy':<12}{'paper formula':<16}" + "".join(f"{'paper':>8}{'ledger':>8}" for _ in worlds))
+    for label, row in preds.items():
+        lines.append(f"{label:<12}{paper_formula(row[0]):<16}"
+                     + "".join(f"{gb_figure(paper_bytes(p)):>8}{gb_figure(p.bytes()['total']):>8}" for p in row))
+    lines += ["", f"why ledger and paper differ (N={worlds[-1]}):"]
+    lines += [f"  {label:<12} {vs_paper(row[-1])}" for label, row in preds.items()]
+    return "\n".join(lines)
+
+
+def plot_sweep(path: str, shape: ModelShape, worlds: list[int], table: dict[str, list[int]], precision: str,
+               optim: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    styles = ["-", "--", ":", "-."]  # strategies that coincide (zero3 / fsdp) stay visible
+    for i, (label, values) in enumerate(table.items()):
+        ax.plot(worlds, [v / GB for v in values], marker="os^vDx*P"[i % 8], linestyle=styles[i % 4], label=label)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(worlds, [str(w) for w in worlds])
+    ax.set_xlabel("data-parallel ranks N")
+    ax.set_ylabel("GB on rank 0 (model states + buffers)")
+    ax.set_title(f"{shape.name}, {precision}, {optim}")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# ---- the CLI: python -m zerolab memory ------------------------------------------------------
+def cli_main(argv: list[str]) -> int:
+    import argparse
+    import json
+    import sys
+
+    p = argparse.ArgumentParser(prog="python -m zerolab memory",
+                                description="Predicted memory per rank by category, for any model size and strategy.")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--params", type=float, help="parameter count, e.g. 7e9")
+    src.add_argument("--model", help="a model config name from conf/model/ (built on the meta device)")
+    p.add_argument("--world", type=int, default=1, help="data-parallel ranks N")
+    p.add_argument("--strategy", default="ddp", choices=predicted_strategies())
+    p.add_argument("--stage", type=int, default=0, help="DeepSpeed ZeRO stage (1, 2, 3) with --strategy deepspeed")
+    p.add_argument("--rank", type=int, default=0, help="which rank (torch_zero's shards are uneven)")
+    p.add_argument("--precision", default="bf16", choices=list(COMPUTE_BYTES))
+    p.add_argument("--optim", default="adamw", help="adamw | adam | lamb | lars | sgd | sgd_momentum")
+    p.add_argument("--bucket-mb", type=float, default=25.0, help="gradient bucket size (strategy.bucket_mb)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.add_argument("--sweep-world", help="comma-separated world sizes, e.g. 1,2,4,8,16,64: one line per strategy")
+    p.add_argument("--plot", help="with --sweep-world: also write this PNG (GB per rank against N)")
+    args = p.parse_args(argv)
+    try:
+        shape = shape_from_params(args.params) if args.params is not None else \
+            shape_from_model_config(load_model_config(args.model))
+        if args.sweep_world:
+            try:
+                worlds = [int(w) for w in args.sweep_world.split(",") if w.strip()]
+            except ValueError:
+                raise ValueError(f"--sweep-world={args.sweep_world!r}: give integers separated by commas, e.g. 1,2,4,8")
+            if not worlds or min(worlds) < 1:
+                raise ValueError(f"--sweep-world={args.sweep_world!r}: world sizes must be >= 1")
+            preds = sweep_predictions(shape, worlds, args.precision, args.optim, args.bucket_mb)
+            table = {label: [p.bytes()["total"] for p in row] for label, row in preds.items()}
+            if args.json:
+                first = next(iter(preds.values()))[0]
+                print(json.dumps({"model": shape.name, "n_params": shape.n_params, "worlds": worlds,
+                                  "precision": args.precision, "optim": args.optim, "total_bytes": table,
+                                  "paper_bytes": {label: [paper_bytes(p) for p in row] for label, row in preds.items()},
+                                  "paper_formula": {label: paper_formula(row[0]) for label, row in preds.items()},
+                                  "paper_K": paper_k(first),
+                                  "vs_paper": {label: [vs_paper(p) for p in row] for label, row in preds.items()}},
+                                 indent=2))
+            else:
+                print(format_sweep(shape, worlds, preds, args.precision, args.optim))
+            if args.plot:  # files only where the user asked for them
+                plot_sweep(args.plot, shape, worlds, table, args.precision, args.optim)
+                print(f"plot: {args.plot}", file=sys.stderr if args.json else sys.stdout)
+            return 0
+        if not 0 <= args.rank < args.world:
+            raise ValueError(f"--rank={args.rank} must be in [0, --world={args.world})")
+        pred = predict(shape, args.strategy, args.world, args.precision, args.optim, stage=args.stage,
+                       bucket_mb=args.bucket_mb, rank=args.rank)
+        reference = None  # another implementation of the same ZeRO stage, where the strategy names one
+        if memory_model(args.strategy).memory_reference is not None:
+            other, stage = memory_model(args.strategy).memory_reference
+            try:
+                reference = predict(shape, other, args.world, args.precision, args.optim, stage=stage,
+                                    bucket_mb=args.bucket_mb, state_elements=pred.state_elements, rank=args.rank)
+            except NotPredicted:  # it cannot run this precision
+                pass
+    except (ValueError, NotImplementedError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(pred.to_dict(), indent=2) if args.json else format_table(pred, reference))
+    return 0

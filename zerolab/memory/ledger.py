@@ -1,0 +1,76 @@
+"""The ledger in every run: this run's prediction (one per rank), held against what each rank's
+strategy measured (Strategy.memory()) at the first optimizer step; and each rank's process-level
+figures."""
+from __future__ import annotations
+
+import logging
+
+from zerolab.memory.prediction import Prediction, predict
+from zerolab.memory.shapes import optimizer_state_elements, shape_from_model, shape_from_model_config
+from zerolab.memory.storage import CATEGORIES, MODEL_STATES
+from zerolab.strategies import memory_model
+
+log = logging.getLogger("zerolab.memory")  # the name users filter the ledger's warnings by
+
+WARN_RATIO = 1.10  # measured above predicted by more than 10% gets a warning
+
+
+def ledger_for_run(cfg, world_size: int, model=None) -> list[Prediction] | None:
+    """The prediction for this run's model (the module about to be trained, else cfg.model built on
+    the meta device), strategy, precision and optimizer, one per rank; None (with the reason
+    logged) where the ledger has no model of the strategy or optimizer."""
+    s = cfg.strategy
+    try:
+        shape = shape_from_model(model, cfg.optim.weight_decay, cfg.model.name) if model is not None \
+            else shape_from_model_config(cfg.model, cfg.optim.weight_decay)
+        k = optimizer_state_elements(cfg.optim.name)
+        one = lambda r: predict(shape, s.name, world_size, cfg.precision.name, cfg.optim.name, stage=s.stage,
+                                bucket_mb=s.bucket_mb, reduce_dtype=s.reduce_dtype, state_elements=k, rank=r)
+        first = one(0)  # an unknown strategy fails here, as a ValueError
+        if memory_model(s.name).uneven_memory:  # ranks hold different amounts
+            return [first] + [one(r) for r in range(1, world_size)]
+        return [first] * world_size
+    except (ValueError, NotImplementedError) as e:
+        log.info("memory ledger: no prediction for this run (%s)", e)
+        return None
+
+
+def check_against(preds: list[Prediction] | None, per_rank: list[dict], warn: bool = True) -> tuple[dict, dict]:
+    """Hold each rank's measured `mem/<cat>_bytes` (Strategy.memory()) against the prediction.
+    Returns (metrics keys `rank{r}/mem_pred/<cat>_bytes`, summary section with measured/predicted
+    per rank per category); logs a warning for every category measured >10% above prediction."""
+    if not preds:
+        return {}, {"predicted": None}
+    keys, ratios, warnings = {}, [], []
+    for r, figures in enumerate(per_rank):
+        pred = preds[r]
+        want = pred.bytes()
+        rank_ratio = {}
+        figures = dict(figures)
+        if all(f"mem/{c}_bytes" in figures for c in CATEGORIES):  # derive the sums from the categories
+            figures["mem/model_states_bytes"] = sum(figures[f"mem/{c}_bytes"] for c in MODEL_STATES)
+            figures["mem/total_bytes"] = sum(figures[f"mem/{c}_bytes"] for c in CATEGORIES)
+        for cat, predicted in want.items():
+            keys[f"rank{r}/mem_pred/{cat}_bytes"] = predicted
+            measured = figures.get(f"mem/{cat}_bytes")
+            if measured is None:
+                continue
+            rank_ratio[cat] = measured / predicted if predicted else (1.0 if measured == 0 else None)
+            if measured > predicted * WARN_RATIO:
+                msg = (f"rank {r}: measured {cat} = {measured:,} bytes exceeds the prediction "
+                       f"{predicted:,} by more than {100 * (WARN_RATIO - 1):.0f}%")
+                warnings.append(msg)
+                if warn:
+                    log.warning("memory ledger: %s (%s)", msg, pred.strategy)
+        ratios.append(rank_ratio)
+    return keys, {"predicted": preds[0].to_dict(), "predicted_bytes_per_rank": [p.bytes() for p in preds],
+                  "measured_over_predicted": ratios, "warnings": warnings}
+
+
+PROCESS_KEYS = ("rss_bytes", "rss_peak_bytes", "cuda_allocated_bytes", "cuda_max_allocated_bytes",
+                "cuda_max_reserved_bytes", "cuda_alloc_retries", "cuda_ooms")
+
+
+def process_summary(per_rank: list[dict]) -> list[dict]:
+    """The process-level figures of each rank (RSS on CPU; allocator peaks, retries, OOMs on CUDA)."""
+    return [{k: r[k] for k in PROCESS_KEYS if k in r} for r in per_rank]
