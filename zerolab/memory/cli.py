@@ -102,7 +102,7 @@ def plot_sweep(path: str, shape: ModelShape, worlds: list[int], table: dict[str,
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    styles = ["-", "--", ":", "-."]  # strategies that coincide (zero3 / fsdp) stay visible
+    styles = ["-", "--", ":", "-."]  # strategies that coincide (two stage-3 sharders) stay visible
     for i, (label, values) in enumerate(table.items()):
         ax.plot(worlds, [v / GB for v in values], marker="os^vDx*P"[i % 8], linestyle=styles[i % 4], label=label)
     ax.set_xscale("log", base=2)
@@ -129,9 +129,12 @@ def cli_main(argv: list[str]) -> int:
     src.add_argument("--params", type=float, help="parameter count, e.g. 7e9")
     src.add_argument("--model", help="a model config name from conf/model/ (built on the meta device)")
     p.add_argument("--world", type=int, default=1, help="data-parallel ranks N")
-    p.add_argument("--strategy", default="ddp", choices=predicted_strategies())
-    p.add_argument("--stage", type=int, default=0, help="DeepSpeed ZeRO stage (1, 2, 3) with --strategy deepspeed")
-    p.add_argument("--rank", type=int, default=0, help="which rank (torch_zero's shards are uneven)")
+    names = predicted_strategies()  # the first is plain data parallelism
+    p.add_argument("--strategy", default=names[0], choices=names)
+    p.add_argument("--stage", type=int, default=0,
+                   help="strategy.stage: the ZeRO stage (1, 2, 3) of a strategy that offers several")
+    p.add_argument("--rank", type=int, default=0,
+                   help="which rank (where shards are uneven, e.g. whole tensors assigned to ranks)")
     p.add_argument("--precision", default="bf16", choices=list(COMPUTE_BYTES))
     p.add_argument("--optim", default="adamw", help="adamw | adam | lamb | lars | sgd | sgd_momentum")
     p.add_argument("--bucket-mb", type=float, default=25.0, help="gradient bucket size (strategy.bucket_mb)")

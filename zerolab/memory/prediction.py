@@ -26,8 +26,8 @@ GB, GIB = 1e9, 2 ** 30
 
 
 class NotPredicted(ValueError):
-    """A strategy cannot run these settings (DeepSpeed has no bf16_pure), so it has no prediction
-    for them; tables that list several strategies leave it out."""
+    """A strategy cannot run these settings (e.g. it has no bf16_pure mode), so it has no
+    prediction for them; tables that list several strategies leave it out."""
 
 
 @dataclass
@@ -39,7 +39,7 @@ class Term:
 
 @dataclass
 class Prediction:
-    strategy: str  # the strategy's label (MemoryModel.memory_identity): ddp, zero2, deepspeed-<stage>, ...
+    strategy: str  # the strategy's label (MemoryModel.memory_identity): its name, or name-<stage>
     precision: str
     optim: str
     world: int

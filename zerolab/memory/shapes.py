@@ -20,7 +20,8 @@ class ModelShape:
     tensors: tuple  # ((group index, shape), ...)
     buffer_bytes: int = 0
     # False for a bare parameter count: tensor boundaries are unknown, so strategies that place
-    # whole tensors (torch_zero, DeepSpeed's gradient partitions) are taken as evenly divided.
+    # whole tensors (whole-tensor optimizer shards, gradient partitions of whole tensors) are taken
+    # as evenly divided.
     exact: bool = True
 
     @property

@@ -406,14 +406,14 @@ class DeepSpeedStrategy(Strategy):
             p.add("optim_state", part * k * 4, f"optimizer state of the partition: {fmt_n(part)} × {k:g} × 4")
             p.add("transient", min(int(bucket_mb * 2 ** 20), n * c),
                   f"{dt} reduce bucket during backward (reduce_bucket_size = strategy.bucket_mb)")
-            p.why = (("with overlap_comm stage 1 frees the gradients outside its partition, as stage 2 does (the paper's "
-                      "stage 1 keeps all of them); " if stage == 1 else "")
+            p.why = (("with overlap_comm stage 1 frees the gradients outside its partition, as stage 2 does "
+                      "(the paper's stage 1 keeps all of them); " if stage == 1 else "")
                      + f"the tensors overlapping the partition keep whole {dt} gradients; flat buffers padded to 2N; "
                      + ("an fp32 weight partition (4Ψ/N) even in fp32 training; " if precision == "fp32" else "")
                      + "the fp32 gradient partition (4Ψ/N) exists inside step() only (transient, not counted)")
-            p.notes.append("with overlap_comm, stage 1 frees gradients outside its partition during backward, as stage 2 "
-                           "does; vs the paper: an fp32 gradient partition (4Ψ/N) exists during step() on top of the "
-                           f"{dt} gradients" + ("; in fp32 training the fp32 partition duplicates the weights (4Ψ/N)"
+            p.notes.append("with overlap_comm, stage 1 frees gradients outside its partition during backward, "
+                           "as stage 2 does; vs the paper: an fp32 gradient partition (4Ψ/N) exists during step() "
+                           f"on top of the {dt} gradients" + ("; in fp32 training the fp32 partition duplicates the weights (4Ψ/N)"
                                                 if precision == "fp32" else ""))
             return
         # Stage 3: every tensor is padded to a multiple of N and partitioned on its own; tensors of at most
@@ -436,7 +436,8 @@ class DeepSpeedStrategy(Strategy):
                                                 if precision == "fp32" else "")
                  + "the fp32 gradient partition (4Ψ/N) exists inside step() only (transient, not counted)")
         p.notes.append("vs the paper: the fp32 gradient partition (4Ψ/N) during step(); with DeepSpeed's default "
-                       "stage3_param_persistence_threshold (1e5, zerolab sets 0) small tensors also stay whole on every rank")
+                       "stage3_param_persistence_threshold (1e5, zerolab sets 0) small tensors also stay whole on "
+                       "every rank")
 
 
 # DeepSpeed stage 3 keeps tensors of at most this many elements whole on every rank. DeepSpeed's

@@ -156,8 +156,8 @@ class FSDPStrategy(Strategy):
         biggest = max(math.prod(s_) for s_ in shape.shapes)
         p.add("transient", biggest * c, f"{dt} unsharded weights of the module being computed (largest tensor)")
         padded = shard * N > shape.n_params
-        p.why = "; ".join(w for w in ("no 16-bit weight shard (the fp32 shard is the weights) and an fp32 gradient shard "
-                                      "(4Ψ/N, not 2Ψ/N): the same total" if precision in MIXED else "",
+        p.why = "; ".join(w for w in ("no 16-bit weight shard (the fp32 shard is the weights) and an fp32 "
+                                      "gradient shard (4Ψ/N, not 2Ψ/N): the same total" if precision in MIXED else "",
                                       "each tensor's dim 0 padded to a multiple of N" if padded else "") if w)
         p.notes.append("vs the paper: no separate 16-bit weight shard; the gradient shard is fp32 (4Ψ/N, not 2Ψ/N)"
                        if precision in MIXED else "every model state is sharded on dim 0 of each tensor")
