@@ -29,11 +29,16 @@ def pack_buckets(tensors: list[tuple[int, int]], cap: int) -> list[tuple[int, li
     return closed + sorted(open_.items(), key=lambda kv: -kv[1][-1])
 
 
+def bucket_cap(bucket_mb: float, element_bytes: int) -> int:
+    """Elements per bucket for strategy.bucket_mb (MiB) of `element_bytes`-byte elements, at least one."""
+    return max(1, int(bucket_mb * 2 ** 20 / element_bytes))
+
+
 def zero_buckets(shape, world: int, compute_bytes: int, bucket_mb: float) -> list[int]:
     """Padded bucket sizes (elements) of zerolab's sharder for a zerolab.memory.ModelShape: its
     packing (pack_buckets, `bucket_mb` of compute-dtype elements per bucket), each bucket padded
     to a multiple of N."""
-    cap = max(1, int(bucket_mb * 2 ** 20 / compute_bytes))
+    cap = bucket_cap(bucket_mb, compute_bytes)
     numels = [math.prod(s) for _, s in shape.tensors]
     buckets = pack_buckets([(g, n) for (g, _), n in zip(shape.tensors, numels)], cap)
     return [-(-sum(numels[i] for i in members) // world) * world for _, members in buckets]
