@@ -8,6 +8,7 @@ REGISTRY: dict[str, str] = {
     "ddp": "zerolab.strategies.ddp:DDPStrategy",
     "zero1": "zerolab.strategies.zero:Zero1Strategy",
     "zero2": "zerolab.strategies.zero:Zero2Strategy",
+    "zero3": "zerolab.strategies.zero3:Zero3Strategy",
     "deepspeed": "zerolab.strategies.deepspeed:DeepSpeedStrategy",
     "torch_zero": "zerolab.strategies.torch_zero:TorchZeroStrategy",
     "fsdp": "zerolab.strategies.fsdp:FSDPStrategy",
