@@ -80,6 +80,30 @@ def test_units_tied_head_and_frozen_parameters(ctx, tmp_path):
     close(trainer)
 
 
+def test_weight_shared_between_blocks_goes_to_the_root(ctx, tmp_path):
+    """A parameter registered in two blocks must stay gathered while either block runs: it joins the
+    root (gathered for the whole forward and the whole backward), and training equals DDP's on the
+    same tied model (fp32 rounding, module docstring). Placed in one block, it would be freed while
+    the other block reads it."""
+    def tied_model():
+        torch.manual_seed(1337)
+        model = build_model(compose(["model=gpt_tiny", "model.bias=false"]).model)
+        model.blocks[1].mlp.fc.weight = model.blocks[0].mlp.fc.weight
+        return model
+
+    weights = {}
+    for strategy in ("ddp", "zero3"):
+        trainer = trainer_for(ctx, tmp_path, strategy, model=tied_model())
+        if strategy == "zero3":
+            assert id(trainer.model.blocks[0].mlp.fc.weight) in {id(p) for p in trainer.strategy.units[0].params}
+        for step in range(3):
+            trainer.train_step(step)
+        weights[strategy] = trainer.strategy.consolidated_state_dict()
+        close(trainer)
+    assert torch.equal(weights["zero3"]["blocks.1.mlp.fc.weight"], weights["zero3"]["blocks.0.mlp.fc.weight"])
+    assert rel_l2_diff(weights["zero3"], weights["ddp"]) < FP32_TOL
+
+
 @pytest.mark.parametrize("reshard", [True, False])
 def test_units_are_gathered_only_while_needed(ctx, tmp_path, reshard):
     """reshard_after_forward=true: nothing stays gathered after forward; false: every unit stays
