@@ -29,7 +29,7 @@ def check_run(run_dir, nproc):
     return first, ledger
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "zero1", "zero2"])
+@pytest.mark.parametrize("strategy", ["ddp", "zero1", "zero2", "zero3"])
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_measured_matches_predicted(tmp_path, strategy, precision):
     run = tmp_path / "run"

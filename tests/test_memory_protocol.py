@@ -10,7 +10,7 @@ import pytest
 
 from conftest import run_python
 from zerolab.memory import ledger_for_run, predict, shape_from_model_config, shape_from_params
-from zerolab.strategies import KNOWN, PREDICTION_ONLY, REGISTRY, memory_model
+from zerolab.strategies import KNOWN, memory_model
 from zerolab.strategies.memory_protocol import MemoryModel
 
 MEMORY_DIR = Path(__file__).resolve().parent.parent / "zerolab" / "memory"
@@ -26,11 +26,6 @@ def test_every_strategy_predicts_itself(name):
         pred = predict(shape_from_params(1001), name, 3, "bf16", stage=stage, state_elements=2)
         assert (pred.strategy, pred.paper_stage) == (label, paper_stage)
         assert paper_stage in (0, 1, 2, 3) and pred.bytes()["total"] > 0
-
-
-def test_prediction_only_entries_cannot_be_run():
-    assert PREDICTION_ONLY <= set(KNOWN) and not PREDICTION_ONLY & set(REGISTRY)
-    assert list(REGISTRY) == [n for n in KNOWN if n not in PREDICTION_ONLY]
 
 
 def test_memory_package_names_no_strategy():

@@ -46,7 +46,7 @@ log = logging.getLogger("zerolab")
 
 FORMAT = "zerolab-checkpoint"
 FORMAT_VERSION = 2  # 2: meta.json carries "meta_sha256", a digest of its other fields (1 had none)
-RESHARDABLE = ("ddp", "zero1", "zero2")  # strategies whose checkpoints share this piece format
+RESHARDABLE = ("ddp", "zero1", "zero2", "zero3")  # strategies whose checkpoints share this piece format
 META, LATEST = "meta.json", "latest"
 _STEP_RE = re.compile(r"^step_(\d{8,})$")
 

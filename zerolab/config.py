@@ -69,6 +69,10 @@ class StrategyConfig:
     client_optimizer: bool = False  # deepspeed: allow zerolab's LAMB/LARS as a client optimizer
     ds_config_overrides: Dict[str, Any] = field(default_factory=dict)
     reduce_dtype: str = "auto"  # auto (= gradient dtype) | fp32
+    # zero3: free a unit's all-gathered weights after its forward and gather them again for its
+    # backward (3Ψ(N-1)/N sent per rank per micro-batch, one unit's weights alive at a time);
+    # false keeps them from forward until the unit's backward is done (2Ψ(N-1)/N, more memory).
+    reshard_after_forward: bool = True
 
 
 @dataclass

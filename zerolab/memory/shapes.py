@@ -23,6 +23,12 @@ class ModelShape:
     # whole tensors (whole-tensor optimizer shards, gradient partitions of whole tensors) are taken
     # as evenly divided.
     exact: bool = True
+    # Per tensor, the transformer block (model.blocks[i]) it belongs to, -1 outside the blocks or
+    # shared (zerolab.models.block_of_parameters); empty when unknown (a bare count: all -1).
+    blocks: tuple = ()
+
+    def block_of(self, i: int) -> int:
+        return self.blocks[i] if self.blocks else -1
 
     @property
     def shapes(self) -> list[tuple]:
@@ -50,12 +56,14 @@ def shape_from_params(n: float) -> ModelShape:
 
 def shape_from_model(model, weight_decay: float = 0.1, name: str = "model") -> ModelShape:
     """Groups as zerolab builds them (zerolab.models.param_groups): decay and no-decay tensors."""
-    from zerolab.models import param_groups
+    from zerolab.models import block_of_parameters, param_groups
 
     group_of = {id(p): gi for gi, g in enumerate(param_groups(model, weight_decay)) for p in g["params"]}
-    tensors = tuple((group_of[id(p)], tuple(p.shape)) for p in model.parameters() if id(p) in group_of)
+    trainable = [p for p in model.parameters() if id(p) in group_of]
+    tensors = tuple((group_of[id(p)], tuple(p.shape)) for p in trainable)
+    block_of = block_of_parameters(model)
     buffers = sum(b.numel() * b.element_size() for b in model.buffers())
-    return ModelShape(name, tensors, buffers)
+    return ModelShape(name, tensors, buffers, blocks=tuple(block_of[id(p)] for p in trainable))
 
 
 def load_model_config(name: str):

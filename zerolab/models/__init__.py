@@ -30,6 +30,19 @@ def count_params(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
+def block_of_parameters(model: nn.Module) -> dict[int, int]:
+    """id(parameter) -> index of the transformer block (`model.blocks[i]`) it belongs to, or -1
+    when it is registered outside the blocks or in more than one place (the GPT's lm_head.weight
+    is wte.weight). Sharders that gather the model block by block (zero3) and the ledger that
+    predicts their buckets read the model's structure from here."""
+    blocks = getattr(model, "blocks", None)
+    prefixes = [f"blocks.{i}." for i in range(len(blocks))] if isinstance(blocks, nn.ModuleList) else []
+    homes: dict[int, set] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        homes.setdefault(id(p), set()).add(next((i for i, pre in enumerate(prefixes) if name.startswith(pre)), -1))
+    return {pid: next(iter(h)) if len(h) == 1 else -1 for pid, h in homes.items()}
+
+
 def no_decay(name: str, param: nn.Parameter) -> bool:
     """Biases, norm weights and the position table get no weight decay (1-D or position)."""
     return param.ndim < 2 or name.endswith("wpe.weight")
@@ -48,4 +61,4 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     return [g for g in (decay, skip) if g["params"]]
 
 
-__all__: Iterable[str] = ["build_model", "lm_loss", "count_params", "param_groups", "MODELS"]
+__all__: Iterable[str] = ["build_model", "block_of_parameters", "lm_loss", "count_params", "param_groups", "MODELS"]

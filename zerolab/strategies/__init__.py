@@ -5,22 +5,18 @@ from __future__ import annotations
 import importlib
 
 # Every strategy zerolab knows, in the order `python -m zerolab memory` lists them (its --strategy
-# choices and its --sweep-world rows): "module:Class" of its implementation or, for a
-# prediction-only entry, of the class holding its memory model.
-KNOWN: dict[str, str] = {
+# choices and its --sweep-world rows): "module:Class" of its implementation, which also predicts
+# its memory (zerolab.strategies.memory_protocol).
+REGISTRY: dict[str, str] = {
     "ddp": "zerolab.strategies.ddp:DDPStrategy",
     "zero1": "zerolab.strategies.zero:Zero1Strategy",
     "zero2": "zerolab.strategies.zero:Zero2Strategy",
-    "zero3": "zerolab.strategies.zero3_formula:Zero3Formula",
+    "zero3": "zerolab.strategies.zero3:Zero3Strategy",
     "deepspeed": "zerolab.strategies.deepspeed:DeepSpeedStrategy",
     "fsdp": "zerolab.strategies.fsdp:FSDPStrategy",
     "torch_zero": "zerolab.strategies.torch_zero:TorchZeroStrategy",
 }
-# Predicted, not runnable: zero3's entry prints the ZeRO paper's stage-3 formula until zerolab's
-# own ZeRO-3 takes its place in KNOWN (its class then implements predict_memory) and leaves this set.
-PREDICTION_ONLY = frozenset({"zero3"})
-# What a run may choose as strategy.name.
-REGISTRY: dict[str, str] = {name: path for name, path in KNOWN.items() if name not in PREDICTION_ONLY}
+KNOWN = REGISTRY  # the name the memory code reads it by
 
 
 def _load(path: str):

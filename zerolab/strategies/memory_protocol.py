@@ -1,8 +1,7 @@
 """The memory half of the strategy protocol: what the ledger (zerolab.memory) asks of a strategy.
 
 Strategy inherits it, so every strategy predicts its own bytes per rank next to the code that
-allocates them. A class that only predicts (a strategy zerolab cannot run yet, listed in
-zerolab.strategies.PREDICTION_ONLY) inherits it alone.
+allocates them.
 """
 from __future__ import annotations
 

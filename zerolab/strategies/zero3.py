@@ -1,0 +1,356 @@
+"""zerolab's own ZeRO-3: ZeRO-2 plus sharded parameters (Rajbhandari et al. 2019, P_os+g+p).
+
+Read zero.py first: the buckets, the per-bucket chunks, the fp32 shard the optimizer updates and
+the bucketed reduce-scatter of gradients are zero2's, reused from there. What stage 3 adds is
+that a rank no longer keeps the whole model between uses.
+
+Layout. The model is cut into units: each transformer block (`model.blocks`) is one, and the
+"root" unit holds every other parameter (the GPT's embeddings, tied LM head and final norm; all
+of a model without `.blocks`). Buckets are packed per unit, so a unit's weights are exactly its
+buckets. Rank r keeps chunk r of every bucket as the persistent copy of the weights, in compute
+dtype: a slice of the fp32 master shard's compute-dtype twin (bf16/fp16), or the shard itself
+(fp32, and bf16_pure, where the optimizer updates the 16-bit weights). The model's parameters
+stay views into each bucket's full-size flat buffer, as in zero1/2, but that buffer's storage is
+resized to 0 bytes while the unit is not in use: the parameters keep their shapes and names (so
+state_dict, checkpoints and the memory ledger see the usual model) but hold no memory. An
+all-gather resizes the storage back and writes the chunks of every rank into it; the views
+see the new memory because they share the storage object, not its address.
+
+Per micro-batch, for every unit:
+  forward   a pre-hook all-gathers the unit (and starts the next unit's all-gather, the prefetch,
+            while this one computes); a post-hook frees it again when
+            strategy.reshard_after_forward=true, and hooks the unit's output tensor(s).
+  backward  the output hook fires when the gradient of the unit's output is complete, i.e. just
+            before the unit's own backward starts: it all-gathers the unit again (a no-op when it
+            was kept) and prefetches the next unit in backward order. Autograd saved the weights
+            as views of the same storage, so backward reads the re-gathered values. Each
+            parameter's gradient goes into its bucket and is reduce-scattered into the fp32
+            gradient shard exactly as in zero2; when the last parameter of the unit has its
+            gradient, nothing will read the unit's weights again and it is freed.
+So a micro-batch moves 2Ψ all-gathered (Ψ with reshard_after_forward=false) and Ψ reduce-scattered
+elements: 3Ψ(N-1)/N per rank (2Ψ(N-1)/N), the paper's 1.5x of DDP. With gradient accumulation
+every micro-batch does this (as zero2, gradients accumulate in the shard; nothing is ever whole).
+
+Tied and shared weights. A parameter registered in more than one unit (the GPT's lm_head.weight
+is wte.weight) or outside the blocks belongs to the root. The root is gathered for the whole
+forward of the model (its pre-hook runs first, its post-hook last) and, in backward, from the
+first gradient (the logits') until its last parameter's gradient arrives, which for the tied
+embedding is the very end of backward. Every use of a root parameter falls inside those spans.
+The root follows the same rule as the blocks between forward and backward (freed when
+reshard_after_forward=true), so the traffic is exactly the paper's 3Ψ; FSDP2 instead keeps its
+root gathered there, which saves Ψ_root(N-1)/N per micro-batch. A block parameter used by code
+outside its block (not registered there) is not supported: it would be read while freed.
+
+Prefetch is bounded: the next unit's all-gather starts early only if the buckets then allocated
+(gathered or in flight) stay within MAX_LIVE_BUCKETS. The unit about to run is always gathered.
+
+Evaluation runs forward under torch.no_grad(): then no backward follows, so every unit (the root
+included) is freed right after its forward whatever reshard_after_forward says. Between steps,
+when the trainer measures memory, no unit is gathered: params = the persistent chunks.
+
+Collectives are issued from hooks at the same points of the same graph on every rank, and every
+prefetch decision depends only on that history, so all ranks issue them in one order.
+"""
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from zerolab.buckets import MAX_IN_FLIGHT, bucket_cap, pack_buckets
+from zerolab.memory import StorageCounter
+from zerolab.memory.prediction import MIXED, dtype_name, fmt_n
+from zerolab.models import block_of_parameters
+from zerolab.precision import COMPUTE_BYTES
+from zerolab.strategies.base import OptimizerFactory
+from zerolab.strategies.zero import Bucket, ZeroStrategy
+
+MAX_LIVE_BUCKETS = 12  # gathered or in-flight buckets above which no unit is prefetched
+
+
+def pack_units(tensors: list[tuple[int, int, int]], cap: int, world: int) -> list[tuple[int, int, list[int], int]]:
+    """Buckets of zero3: `tensors` lists (param group, numel, unit) in unit order (root = unit 0,
+    then the blocks), registration order within a unit. Each unit is packed alone by zero.py's
+    rule (pack_buckets), last block first and the root last, and each bucket is padded to a
+    multiple of N. Returns (unit, group, tensor indices, padded size) per bucket, in launch order.
+    The sharder builds its buckets from this and the ledger predicts them from it."""
+    n_units = 1 + max((u for _, _, u in tensors), default=0)
+    out = []
+    for ui in [*range(n_units - 1, 0, -1), 0]:
+        index = [i for i, (_, _, u) in enumerate(tensors) if u == ui]
+        for gi, members in pack_buckets([(tensors[i][0], tensors[i][1]) for i in index], cap):
+            total = sum(tensors[index[m]][1] for m in members)
+            out.append((ui, gi, [index[m] for m in members], -(-total // world) * world))
+    return out
+
+
+@dataclass
+class Zero3Bucket(Bucket):
+    unit: int = 0  # index into Zero3Strategy.units
+
+
+@dataclass
+class Unit:
+    name: str  # "root" or the block's module name, e.g. "blocks.3"
+    module: nn.Module
+    params: list  # trainable parameters this unit owns
+    buckets: list[int] = field(default_factory=list)  # indices into Zero3Strategy.buckets
+    arrived: int = 0  # parameters whose gradient is complete in this backward
+
+
+class Zero3Strategy(ZeroStrategy):
+    name, stage = "zero3", 2  # stage 2: zero.py's gradient path (bucket copies, reduce-scatter per micro-batch)
+
+    # ---- setup ------------------------------------------------------------------------------
+    def setup(self, model: nn.Module, param_groups: list[dict], make_optimizer: OptimizerFactory) -> nn.Module:
+        model.to(device=self.ctx.device, dtype=self.precision.compute_dtype)
+        self.model, self.world, self.rank = model, self.ctx.world_size, self.ctx.rank
+        for p in model.parameters():  # every rank starts from rank 0's weights
+            dist.broadcast(p.data, src=0)
+        self.reduce_dtype = torch.float32 if self.cfg.strategy.reduce_dtype == "fp32" else self.precision.compute_dtype
+        self.shard_dtype = self.precision.compute_dtype if self.precision.name == "bf16_pure" else torch.float32
+        self.reshard_after_forward = self.cfg.strategy.reshard_after_forward
+        self.units = self._make_units(model, param_groups)
+        self.unit_of = {id(p): u for u in self.units for p in u.params}
+        self.buckets = self._make_buckets(model, param_groups)  # whole flat buffers, for now
+        self.bucket_of = {id(p): b for b in self.buckets for p, _, _ in b.params}
+        self.offset_of = {id(p): off for b in self.buckets for p, _, off in b.params}
+        self.groups = self._make_flat_groups(param_groups)  # fp32 master chunks, from the whole buffers
+        # The persistent weights: this rank's chunks in compute dtype, one flat tensor per group
+        # laid out like the master shard. When the shard already is in compute dtype (fp32,
+        # bf16_pure) it is the weights, and nothing is stored twice.
+        self.local = [g.master.data if self.shard_dtype == self.precision.compute_dtype
+                      else g.master.data.to(self.precision.compute_dtype) for g in self.groups]
+        self.optimizer = make_optimizer([
+            {**{k: v for k, v in g.items() if k not in ("params", "names")}, "params": [fg.master],
+             "segments": fg.segments, "n_tensors": len(g["params"]), "names": g["names"],
+             "allreduce": self._allreduce}
+            for g, fg in zip(param_groups, self.groups)])
+        self.pending: deque = deque()  # reduce-scatters in flight (zero.py)
+        self.next_launch = 0
+        self.sync = True  # zero2's path: never False, every micro-batch reduces
+        self.gathers: dict[int, tuple] = {}  # all-gathers in flight: bucket index -> (work, input chunk)
+        self.live: set[int] = set()  # buckets whose full buffer exists (gathered or in flight)
+        for unit in self.units:
+            for p in unit.params:
+                p.register_post_accumulate_grad_hook(self._grad_ready)
+        for i in range(len(self.buckets)):  # from now on only the chunks persist
+            self._free_bucket(i)
+        for i, unit in enumerate(self.units):
+            if unit.buckets:
+                unit.module.register_forward_pre_hook(lambda _m, _args, i=i: self._before_forward(i))
+                unit.module.register_forward_hook(lambda _m, _args, out, i=i: self._after_forward(i, out))
+        return model
+
+    def _make_units(self, model: nn.Module, param_groups: list[dict]) -> list[Unit]:
+        """[root, blocks.0, blocks.1, ...] in forward order. A parameter goes to a block only if
+        every name it is registered under lies inside that one block; anything shared between
+        units, or registered outside the blocks, goes to the root (block_of_parameters)."""
+        blocks = getattr(model, "blocks", None)
+        blocks = list(blocks) if isinstance(blocks, nn.ModuleList) else []
+        units = [Unit("root", model, [])] + [Unit(f"blocks.{i}", b, []) for i, b in enumerate(blocks)]
+        block_of = block_of_parameters(model)
+        trainable = {id(p) for g in param_groups for p in g["params"]}
+        for p in model.parameters():  # registration order; frozen parameters stay whole, in no unit
+            if id(p) in trainable:
+                units[block_of[id(p)] + 1].params.append(p)
+        return units
+
+    def _make_buckets(self, model: nn.Module, param_groups: list[dict]) -> list[Bucket]:
+        """zero.py's packing, run unit by unit so that no bucket spans two units (pack_units). The
+        list is in the order backward completes the units (last block first, the root last,
+        because the tied embedding's gradient is the last of all): the reduce-scatter launch order."""
+        where = {id(p): (gi, ti) for gi, g in enumerate(param_groups) for ti, p in enumerate(g["params"])}
+        params = [p for unit in self.units for p in unit.params]
+        tensors = [(where[id(p)][0], p.numel(), ui) for ui, unit in enumerate(self.units) for p in unit.params]
+        cap = bucket_cap(self.cfg.strategy.bucket_mb, self.precision.compute_dtype.itemsize)
+        shard_pos = [0] * len(param_groups)
+        buckets = []
+        for ui, gi, members, size in pack_units(tensors, cap, self.world):
+            offsets, total = [], 0
+            for m in members:
+                offsets.append((params[m], where[id(params[m])][1], total))
+                total += params[m].numel()
+            b = Zero3Bucket(group=gi, params=offsets, size=size, shard_pos=shard_pos[gi], world=self.world, unit=ui)
+            shard_pos[gi] += b.chunk
+            self._flatten_params(b)
+            self.units[ui].buckets.append(len(buckets))
+            buckets.append(b)
+        self.shard_sizes = shard_pos
+        return buckets
+
+    # ---- gathering and freeing units ------------------------------------------------------------
+    def _chunk(self, b: Bucket) -> torch.Tensor:
+        """This rank's persistent chunk of bucket b (compute dtype)."""
+        return self.local[b.group][b.shard_pos:b.shard_pos + b.chunk]
+
+    def _gather(self, unit: Unit) -> None:
+        """Start all-gathering the unit's buckets that are not already there (asynchronous)."""
+        for i in unit.buckets:
+            if i in self.live:
+                continue
+            b = self.buckets[i]
+            b.flat_params.untyped_storage().resize_(b.size * b.flat_params.element_size())
+            chunk = self._chunk(b)
+            self.comm.record("all_gather", b.flat_params)
+            self.gathers[i] = (dist.all_gather_single(b.flat_params, chunk, async_op=True), chunk)
+            self.live.add(i)
+
+    def _free_bucket(self, i: int) -> None:
+        self._wait_gathers([i])  # never take memory from under a collective still writing it
+        self.buckets[i].flat_params.untyped_storage().resize_(0)
+        self.live.discard(i)
+
+    def _free(self, unit: Unit) -> None:
+        for i in unit.buckets:
+            if i in self.live:
+                self._free_bucket(i)
+
+    def _prefetch(self, index: Optional[int]) -> None:
+        if index is None:
+            return
+        unit = self.units[index]
+        missing = [i for i in unit.buckets if i not in self.live]
+        if missing and len(self.live) + len(missing) <= MAX_LIVE_BUCKETS:
+            self._gather(unit)
+
+    def _next_in_backward(self, index: int) -> Optional[int]:
+        """Backward visits the root first (the logits' gradient), then the blocks last to first."""
+        if index == 0:
+            return len(self.units) - 1 if len(self.units) > 1 else None
+        return index - 1 if index > 1 else None
+
+    def _before_forward(self, index: int) -> None:
+        unit = self.units[index]
+        self._gather(unit)
+        self._prefetch(index + 1 if index + 1 < len(self.units) else None)
+        self._wait_gathers(unit.buckets)
+
+    def _after_forward(self, index: int, output) -> None:
+        unit = self.units[index]
+        training = torch.is_grad_enabled()
+        if self.reshard_after_forward or not training:
+            self._free(unit)
+        if training:
+            for t in _tensors(output):
+                if t.requires_grad:
+                    t.register_hook(lambda _grad, index=index: self._before_backward(index))
+
+    def _before_backward(self, index: int) -> None:
+        unit = self.units[index]
+        self._gather(unit)
+        self._prefetch(self._next_in_backward(index))
+        self._wait_gathers(unit.buckets)
+
+    # ---- backward -------------------------------------------------------------------------------
+    def _grad_ready(self, p: torch.Tensor) -> None:
+        super()._grad_ready(p)  # zero2: into its bucket, full gradient freed, complete buckets launched
+        unit = self.unit_of[id(p)]
+        unit.arrived += 1
+        if unit.arrived == len(unit.params):
+            # Every autograd node that read these weights ran before this last gradient was
+            # accumulated: the unit's backward is over.
+            self._free(unit)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        super().backward(loss)  # zero.py: backward, flush the buckets, collect the reductions
+        for unit in self.units:  # units with unused parameters never completed: free them here
+            self._free(unit)
+            unit.arrived = 0
+
+    # ---- step -------------------------------------------------------------------------------
+    def step(self, lr: float):
+        self.set_lr(lr)
+        self._drain()
+        info = self.unscale_clip_update([g.master.grad for g in self.groups])
+        if not info.skipped:
+            self._refresh_local()  # the next forward all-gathers the new weights: no all-gather here
+        for g in self.groups:
+            g.master.grad.zero_()
+        return info
+
+    @torch.no_grad()
+    def _refresh_local(self) -> None:
+        for g, local in zip(self.groups, self.local):
+            if local is not g.master.data:
+                local.copy_(g.master.data)  # one rounding to compute dtype, as zero2's all-gather input
+
+    # ---- introspection ------------------------------------------------------------------------
+    def memory(self) -> dict[str, int]:
+        """params: the persistent chunks, plus any bucket gathered at the time of the call (none
+        between steps, where the trainer measures); in fp32 and bf16_pure the chunks are the
+        shard the optimizer updates, counted once, as params, and master is 0."""
+        self._wait_gathers()
+        c = StorageCounter()
+        c.add("params", self.local).add("params", (b.flat_params for b in self.buckets))
+        c.add("grads", (g.master.grad for g in self.groups))
+        c.add("master", (g.master for g in self.groups)).add_optimizer(self.optimizer)
+        c.add("buffers", (b.comm_buf for b in self.buckets)).add("buffers", self.model.buffers())
+        return c.result()
+
+    @torch.no_grad()
+    def load_checkpoint_state(self, read) -> None:
+        """zero.py's piece loading (the master shard and optimizer state by name and range), then
+        the persistent chunks follow the loaded master; nothing is gathered until the next forward."""
+        self._materialise_optimizer_state()
+        for g, s, tensors in self._pieces():
+            name = g.names[s.tensor]
+            for kind, t in tensors.items():
+                t[s.start:s.end].copy_(read(f"{kind}/{name}", s.offset, s.offset + s.end - s.start))
+        self._refresh_local()
+
+
+    # ---- memory prediction (zerolab.strategies.memory_protocol) ------------------------------------
+    paper_stage, memory_reference = 3, ("deepspeed", 3)  # the paper's stage 3, beside DeepSpeed's
+
+    @classmethod
+    def predict_memory(cls, p, shape, *, world, precision, k, bucket_mb, reduce_dtype, **_) -> None:
+        """What memory() measures between steps: the persistent chunks and the fp32 shards of every
+        bucket, packed unit by unit (pack_units) and padded to multiples of N."""
+        n, c, dt, N = shape.n_params, COMPUTE_BYTES[precision], dtype_name(precision), world
+        tensors = [(g, math.prod(s_), shape.block_of(i) + 1) for i, (g, s_) in enumerate(shape.tensors)]
+        sizes = [size for _, _, _, size in pack_units(tensors, bucket_cap(bucket_mb, c), N)]
+        shard = sum(sizes) // N
+        s = 2 if precision == "bf16_pure" else 4  # bf16_pure updates a bf16 shard: no fp32 anywhere
+        sd = "bf16" if s == 2 else "fp32"
+        p.add("params", shard * c, f"{dt} weights: this rank's chunk of every bucket, the only persistent copy: "
+                                   f"{fmt_n(shard)} × {c}" + (" (it is the shard the optimizer updates)"
+                                                              if precision not in MIXED else ""))
+        p.add("grads", shard * s, f"{sd} gradient shard (reduce-scattered into, as zero2): {fmt_n(shard)} × {s}")
+        if precision in MIXED:
+            p.add("master", shard * 4, f"fp32 master shard the optimizer updates: {fmt_n(shard)} × 4")
+        p.add("optim_state", shard * k * s, f"optimizer state of the shard: {fmt_n(shard)} × {k:g} × {s}")
+        rb = 4 if reduce_dtype == "fp32" else c
+        p.add("transient", min(len(sizes), MAX_LIVE_BUCKETS) * max(sizes) * c,
+              f"gathered buckets during forward/backward (the running unit, the root and a prefetch, at most "
+              f"MAX_LIVE_BUCKETS = {MAX_LIVE_BUCKETS}; every unit at the end of forward with "
+              "strategy.reshard_after_forward=false)")
+        p.add("transient", min(len(sizes), 1 + MAX_IN_FLIGHT) * max(sizes) * rb,
+              f"gradient buckets copied for reduce-scatter (at most MAX_IN_FLIGHT = {MAX_IN_FLIGHT} in flight plus "
+              "the one filling)")
+        if shape.buffer_bytes:
+            p.add("buffers", shape.buffer_bytes, "model buffers")
+        why = []
+        if s != c:
+            why.append(f"zerolab's gradient shard is {sd} ({s}Ψ/N) where the paper's is {c}-byte ({c}Ψ/N)")
+        if sum(sizes) != n:
+            why.append("buckets are packed per block and padded to multiples of N")
+        p.why = "; ".join(why)
+        p.notes.append("vs the paper ((2 + 2 + K)Ψ/N in mixed precision): the gradient shard is fp32 (4Ψ/N), "
+                       "as in zerolab's zero1/zero2, so accumulation and the clip norm see fp32 sums")
+
+
+def _tensors(output) -> list[torch.Tensor]:
+    """The tensors in a module's output (a tensor, or a tuple/list/dict holding some)."""
+    if isinstance(output, torch.Tensor):
+        return [output]
+    if isinstance(output, dict):
+        output = list(output.values())
+    if isinstance(output, (list, tuple)):
+        return [t for item in output for t in _tensors(item)]
+    return []
