@@ -87,3 +87,22 @@ def test_cli_json_and_plot(tmp_path, capsys):
     assert cli_main(["--params", "7e9", "--gpu-mem", "80GB", "--world", "8", "--seq", "2048"]) == 0
     table = capsys.readouterr().out
     assert "deepspeed-3" in table and "budget per rank: 72.00 GB" in table
+
+
+@pytest.mark.slow
+def test_gpu_check_script_syntax_and_arguments():
+    """bench/gpu_check.sh needs a GPU to run; here only its syntax and argument handling (--dry-run
+    prints the 14 training commands: 7 strategies, checkpointing off and on)."""
+    import subprocess
+
+    from conftest import ROOT, base_env
+
+    script = str(ROOT / "bench" / "gpu_check.sh")
+    assert subprocess.run(["bash", "-n", script]).returncode == 0
+    dry = subprocess.run(["bash", script, "--dry-run", "--micro-batch", "4"], capture_output=True, text=True,
+                         env=base_env(), cwd=ROOT)
+    assert dry.returncode == 0, dry.stderr
+    lines = dry.stdout.splitlines()
+    assert len(lines) >= 14 and all("data.micro_batch=4" in line and "precision=bf16" in line for line in lines)
+    bad = subprocess.run(["bash", script, "--steps", "x"], capture_output=True, text=True, env=base_env(), cwd=ROOT)
+    assert bad.returncode == 2 and "'x' is not a positive integer" in bad.stderr
