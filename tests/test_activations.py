@@ -134,6 +134,9 @@ def test_checkpointing_keeps_the_weights_and_saves_the_predicted_bytes(tmp_path,
         assert len(records) >= 2  # every logged step measures
         measured[mode] = {r["rank0/mem/activations_bytes"] for r in records}
         assert measured[mode] == {predict_activations(cfg.model, 4, precision="fp32").bytes}, mode
+        assert all(r["rank0/mem_pred/activations_bytes"] == r["rank0/mem/activations_bytes"] for r in records)
+        summary = json.loads((tmp_path / mode / "summary.json").read_text())
+        assert summary["memory_ledger"]["activations_predicted_bytes"] in measured[mode]
     # Recomputation runs the same kernels on the same inputs with the RNG state restored, so the
     # forward, the dropout masks and every gradient are the same numbers; 1e-6 (relative, fp32
     # eps 1.2e-7 times a few roundings) only allows for a summation order that differs where

@@ -22,7 +22,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from zerolab import dist as zdist
 from zerolab import runlock
-from zerolab.activations import ActivationMeter
+from zerolab.activations import ActivationMeter, predict_activations
 from zerolab.config import Config, ConfigError, global_batch, to_dict, validate
 from zerolab.checkpoint import Checkpointer, _writes_checkpoints, model_layout
 from zerolab.data import WindowSampler, build_data, check_data
@@ -32,7 +32,7 @@ from zerolab.fault import FaultInjector, ProgressBoard, RankStopped
 from zerolab.memory import check_against, ledger_for_run, process_memory, process_summary
 from zerolab.errors import ZerolabError
 from zerolab.metrics import MetricsSink, Progress
-from zerolab.models import build_model, count_params, lm_loss, param_groups
+from zerolab.models import MODELS, build_model, count_params, lm_loss, param_groups
 from zerolab.optim import build_optimizer
 from zerolab.optim.schedule import LRSchedule
 from zerolab.preempt import MARKER, Preempted, StopRequest
@@ -136,6 +136,10 @@ class Trainer:
         self.schedule = LRSchedule.from_config(cfg.optim, self.global_batch, t.max_steps)
         self.start_step = 0
         self.activations_bytes = 0  # saved for backward by the last measured forward (this rank)
+        # ... and what zerolab.activations predicts for it (zerolab's own models only)
+        self.activations_pred = predict_activations(
+            cfg.model, cfg.data.micro_batch, precision=cfg.precision.name, device=ctx.device.type
+        ).bytes if isinstance(model, tuple(MODELS.values())) else None
         self.fault = FaultInjector(cfg.fault, ctx.rank, ctx.world_size)
         self.progress = ProgressBoard(ctx.rank, ctx.world_size, ctx.store, cfg.dist.timeout_s)  # names a rank that stops
         self.checkpointer = Checkpointer(cfg, ctx, self.run_dir, model_layout(model), self.strategy)
@@ -254,6 +258,8 @@ class Trainer:
                     record["skipped_steps"] = self.precision.scaler.skipped_steps
                 for r, figures in enumerate(per_rank):
                     record.update({f"rank{r}/{k}": v for k, v in figures.items()})
+                    if self.activations_pred is not None:
+                        record[f"rank{r}/mem_pred/activations_bytes"] = self.activations_pred
                 if not self.mem_check and not info.skipped:  # first real update: optimizer state exists
                     pred_keys, self.mem_check = check_against(self.mem_pred, per_rank, warn=ctx.is_main)
                     record.update(pred_keys)
@@ -345,7 +351,8 @@ class Trainer:
             "step_time_p95_s": percentile(step_times, 95) if step_times else None,
             "peak_memory_per_rank": [{k: v for k, v in r.items() if "peak" in k or "max" in k} for r in per_rank],
             "memory_per_rank": [{k: v for k, v in r.items() if k.startswith("mem/")} for r in per_rank],
-            "memory_ledger": {**self.mem_check, "process_per_rank": process_summary(per_rank)},
+            "memory_ledger": {**self.mem_check, "process_per_rank": process_summary(per_rank),
+                              "activations_predicted_bytes": self.activations_pred},
             "run_dir": self.run_dir, "metrics": self.metrics.path, "eval_digest": None,
         }
         error = self.skipped_error(skipped, steps_run)
