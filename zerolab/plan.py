@@ -183,7 +183,7 @@ def plot_plan(path: str, planner: Planner, fits: list[Fit], gpu_mem: int, margin
 
     top = max([f.micro_batch for f in fits] + [1])
     mbs = sorted({1, 2} | {2 ** i for i in range(int(math.log2(max(2, top))) + 2)})
-    fig, ax = plt.subplots(figsize=(8, 5))
+    fig, ax = plt.subplots(figsize=(10, 5))
     for i, label in enumerate(planner.states):
         for ck, style in (("none", "-"), ("blocks", "--")):
             ax.plot(mbs, [planner.peak(label, b, ck)[0] / 1e9 for b in mbs], linestyle=style,
@@ -196,7 +196,7 @@ def plot_plan(path: str, planner: Planner, fits: list[Fit], gpu_mem: int, margin
     ax.set_ylabel("predicted peak per rank (GB)")
     ax.set_title(f"{planner.mcfg.name}, {planner.precision}, world {planner.world}, seq {planner.seq}")
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=7, ncol=2)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # beside the axes: no line hidden
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -94,7 +94,8 @@ class GPT(nn.Module):
     @staticmethod
     def _checkpointed(block: nn.Module, x: torch.Tensor) -> torch.Tensor:
         """Run `block` keeping only its input for backward, which runs it again. Non-reentrant
-        checkpoint works with every strategy's hooks (DDP, FSDP2 units, DeepSpeed); it restores the
-        RNG state before recomputing (preserve_rng_state=True), so dropout draws the same masks."""
+        checkpoint lets the strategies' module hooks run again in the recomputation (FSDP2 gathers
+        the block's weights again); it restores the RNG state before recomputing and hands the
+        stream back afterwards (preserve_rng_state=True), so dropout draws the same masks."""
         keep_for_backward(x)  # held by checkpoint, not by autograd's saved tensors: tell the meter
         return checkpoint(block, x, use_reentrant=False, preserve_rng_state=True)
