@@ -6,10 +6,15 @@ views of one qkv output count as that one buffer. Parameters saved for backward 
 its weight, a LayerNorm its weight and bias) are model states, not activations: the meter leaves
 out every storage that belongs to a parameter or buffer of the model when the meter starts, and
 any saved tensor that is an nn.Parameter or a view of one (FSDP2's unsharded parameters and
-DeepSpeed stage 3's gathered ones have storages the model did not hold when the meter started). Blocks run under activation checkpointing save nothing through the hooks (torch's
-checkpoint swaps in its own); the block's input, which checkpoint keeps alive to recompute the
-block, is reported by zerolab.models.gpt through `keep_for_backward`, so the meter sees what
-backward really holds. Outside a meter the hooks do not exist and cost nothing.
+DeepSpeed stage 3's gathered ones have storages the model did not hold when the meter started).
+Blocks run under activation checkpointing save nothing through the hooks (torch's checkpoint
+swaps in its own); the block's input, which checkpoint keeps alive to recompute the block, is
+reported by zerolab.models.gpt through `keep_for_backward`, so the meter sees what backward
+really holds. Outside a meter the hooks do not exist and cost nothing.
+
+What the meter does not see: the logits and other temporaries of the forward that are not saved
+(zerolab.plan counts them as transient), and gradients. Measured on CPU here (torch 2.13); on
+CUDA other kernels save other tensors (see the prediction's device argument), untested here.
 
 Predicted (`predict_activations`): the same bytes from the model config, written out tensor by
 tensor below, for zerolab's GPT and next-token MLP. The bytes do not depend on the strategy:
