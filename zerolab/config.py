@@ -40,6 +40,10 @@ class ModelConfig:
     n_embd: int = 64
     bias: bool = True
     dropout: float = 0.0
+    # Activation checkpointing of GPT blocks (torch's non-reentrant checkpoint, RNG preserved):
+    # none | blocks (every block) | every_k (blocks 0, k, 2k, ...: one block in k recomputes)
+    activation_checkpointing: str = "none"
+    checkpoint_every_k: int = 2
     # mlp: embedding -> `mlp_depth` hidden layers of width `mlp_hidden` -> logits
     mlp_hidden: int = 128
     mlp_depth: int = 2
@@ -315,6 +319,11 @@ def validate(cfg: DictConfig | Config, world_size: Optional[int] = None) -> Conf
         raise ConfigError(f"model.n_embd={m.n_embd} must be divisible by model.n_head={m.n_head}")
     if not 0.0 <= m.dropout < 1.0:
         raise ConfigError(f"model.dropout={m.dropout} must be in [0, 1)")
+    _choice("model.activation_checkpointing", m.activation_checkpointing, ("none", "blocks", "every_k"))
+    _positive("model.checkpoint_every_k", m.checkpoint_every_k)
+    if m.kind != "gpt" and m.activation_checkpointing != "none":
+        raise ConfigError(f"model.activation_checkpointing={m.activation_checkpointing} applies to GPT blocks only; "
+                          f"model.kind={m.kind} has none: use model.activation_checkpointing=none")
     _choice("data.kind", d.kind, DATA_KINDS)
     if d.kind == "text" and m.vocab_size < 256:
         raise ConfigError(f"model.vocab_size={m.vocab_size} is too small for byte-level text data; use >= 256")

@@ -22,6 +22,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from zerolab import dist as zdist
 from zerolab import runlock
+from zerolab.activations import ActivationMeter, predict_activations
 from zerolab.config import Config, ConfigError, global_batch, to_dict, validate
 from zerolab.checkpoint import Checkpointer, _writes_checkpoints, model_layout
 from zerolab.data import WindowSampler, build_data, check_data
@@ -31,7 +32,7 @@ from zerolab.fault import FaultInjector, ProgressBoard, RankStopped
 from zerolab.memory import check_against, ledger_for_run, process_memory, process_summary
 from zerolab.errors import ZerolabError
 from zerolab.metrics import MetricsSink, Progress
-from zerolab.models import build_model, count_params, lm_loss, param_groups
+from zerolab.models import MODELS, build_model, count_params, lm_loss, param_groups
 from zerolab.optim import build_optimizer
 from zerolab.optim.schedule import LRSchedule
 from zerolab.preempt import MARKER, Preempted, StopRequest
@@ -134,6 +135,11 @@ class Trainer:
         self.sampler = WindowSampler(n_windows, t.seed, cfg.data.micro_batch, t.grad_accum_steps, ctx.world_size)
         self.schedule = LRSchedule.from_config(cfg.optim, self.global_batch, t.max_steps)
         self.start_step = 0
+        self.activations_bytes = 0  # saved for backward by the last measured forward (this rank)
+        # ... and what zerolab.activations predicts for it (zerolab's own models only)
+        self.activations_pred = predict_activations(
+            cfg.model, cfg.data.micro_batch, precision=cfg.precision.name, device=ctx.device.type
+        ).bytes if isinstance(model, tuple(MODELS.values())) else None
         self.fault = FaultInjector(cfg.fault, ctx.rank, ctx.world_size)
         self.progress = ProgressBoard(ctx.rank, ctx.world_size, ctx.store, cfg.dist.timeout_s)  # names a rank that stops
         self.checkpointer = Checkpointer(cfg, ctx, self.run_dir, model_layout(model), self.strategy)
@@ -168,13 +174,19 @@ class Trainer:
         lr = self.schedule(step)
         losses = []
         board, fault = self.progress, self.fault  # where this rank is, for naming a rank that stops
+        logged = self.logs_step(step)
         for micro in range(accum):
             batch = self.data.train_batch(self.sampler, step, self.ctx.rank, micro, self.ctx.device)
             # Only the last micro-batch communicates (DDP's no_sync; ZeRO-2 keeps reducing).
             with self.strategy.no_sync() if micro < accum - 1 else nullcontext():
                 board.at(step, "forward")
                 fault.in_phase(step, "forward")
-                loss = lm_loss(self.model(batch.x), batch.y)
+                # Bytes saved for backward, measured on logged steps only (hooks cost nothing otherwise);
+                # every micro-batch has the same shapes, so the first one stands for all.
+                with ActivationMeter(self.model, enabled=logged and micro == 0) as meter:
+                    loss = lm_loss(self.model(batch.x), batch.y)
+                if meter.enabled:
+                    self.activations_bytes = meter.bytes
                 scaled = loss / accum
                 if micro == accum - 1 and self._inject_inf(step):
                     # fault.inf_grad_step: this rank's last backward carries inf, so its gradients
@@ -185,7 +197,6 @@ class Trainer:
                 self.strategy.backward(scaled)
             losses.append(loss.detach())
         # Optimizer statistics cost norms and a device sync: only on steps that are logged.
-        logged = self.logs_step(step)
         every = self.cfg.logging.layer_stats_every
         self.strategy.stats_level = 0 if not logged else 2 if every and (step + 1) % every == 0 else 1
         board.at(step, "optimizer")
@@ -206,6 +217,7 @@ class Trainer:
     def rank_figures(self, comm: dict) -> dict:
         """This rank's memory and communication figures, to be gathered on rank 0."""
         out = {f"mem/{k}_bytes": v for k, v in self.strategy.memory().items()}
+        out["mem/activations_bytes"] = self.activations_bytes  # zerolab.activations.ActivationMeter
         out.update(process_memory(self.ctx.device))
         out["comm_bytes"] = comm.get("total", 0.0)
         return out
@@ -246,6 +258,8 @@ class Trainer:
                     record["skipped_steps"] = self.precision.scaler.skipped_steps
                 for r, figures in enumerate(per_rank):
                     record.update({f"rank{r}/{k}": v for k, v in figures.items()})
+                    if self.activations_pred is not None:
+                        record[f"rank{r}/mem_pred/activations_bytes"] = self.activations_pred
                 if not self.mem_check and not info.skipped:  # first real update: optimizer state exists
                     pred_keys, self.mem_check = check_against(self.mem_pred, per_rank, warn=ctx.is_main)
                     record.update(pred_keys)
@@ -337,7 +351,8 @@ class Trainer:
             "step_time_p95_s": percentile(step_times, 95) if step_times else None,
             "peak_memory_per_rank": [{k: v for k, v in r.items() if "peak" in k or "max" in k} for r in per_rank],
             "memory_per_rank": [{k: v for k, v in r.items() if k.startswith("mem/")} for r in per_rank],
-            "memory_ledger": {**self.mem_check, "process_per_rank": process_summary(per_rank)},
+            "memory_ledger": {**self.mem_check, "process_per_rank": process_summary(per_rank),
+                              "activations_predicted_bytes": self.activations_pred},
             "run_dir": self.run_dir, "metrics": self.metrics.path, "eval_digest": None,
         }
         error = self.skipped_error(skipped, steps_run)

@@ -1,0 +1,310 @@
+"""Activations: the bytes a forward leaves behind for its backward, measured and predicted.
+
+Measured (`ActivationMeter`): a forward run inside the meter counts every tensor autograd saves
+for backward (torch.autograd.graph.saved_tensors_hooks), each storage once, so the q, k and v
+views of one qkv output count as that one buffer. Parameters saved for backward (a Linear saves
+its weight, a LayerNorm its weight and bias) are model states, not activations: the meter leaves
+out every storage that belongs to a parameter or buffer of the model when the meter starts, and
+any saved tensor that is an nn.Parameter or a view of one (FSDP2's unsharded parameters and
+DeepSpeed stage 3's gathered ones have storages the model did not hold when the meter started).
+Blocks run under activation checkpointing save nothing through the hooks (torch's checkpoint
+swaps in its own); the block's input, which checkpoint keeps alive to recompute the block, is
+reported by zerolab.models.gpt through `keep_for_backward`, so the meter sees what backward
+really holds. Outside a meter the hooks do not exist and cost nothing.
+
+What the meter does not see: the logits and other temporaries of the forward that are not saved
+(zerolab.plan counts them as transient), and gradients. Measured on CPU here (torch 2.13); on
+CUDA other kernels save other tensors (see the prediction's device argument), untested here.
+
+Predicted (`predict_activations`): the same bytes from the model config, written out tensor by
+tensor below, for zerolab's GPT and next-token MLP. The bytes do not depend on the strategy:
+every strategy runs the same forward with weights in the compute dtype (ddp, zero1/2 and
+DeepSpeed cast the model; FSDP's MixedPrecisionPolicy casts the gathered weights), so the same
+tensors are saved in the same dtypes.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Iterable, Optional
+
+import torch
+import torch.nn as nn
+
+# ---- measured -------------------------------------------------------------------------------
+_ACTIVE: list["ActivationMeter"] = []  # meters entered and not yet left, innermost last
+
+
+def _storage_key(t: torch.Tensor) -> tuple[str, int]:
+    return str(t.device), t.untyped_storage().data_ptr()
+
+
+def _is_parameter(t: torch.Tensor) -> bool:
+    """An nn.Parameter or a view of one (a Linear saves weight.t()). Autograd hands the hook the
+    Parameter object itself, so this also catches parameters the meter could not list when it
+    started: FSDP2's unsharded parameters, DeepSpeed stage 3's gathered ones."""
+    return isinstance(t, nn.Parameter) or isinstance(t._base, nn.Parameter)
+
+
+class ActivationMeter:
+    """`with ActivationMeter(model) as m: loss = ...` -> `m.bytes`: bytes saved for backward by
+    that forward, each storage once, parameters and buffers excluded (see the module docstring).
+    With enabled=False it installs nothing and reports 0."""
+
+    def __init__(self, model: Optional[nn.Module] = None, enabled: bool = True):
+        self.model, self.enabled = model, enabled
+        self.bytes = 0
+        self.tensors = 0  # saved tensors seen (a storage seen twice counts twice here, once in bytes)
+        self._seen: set[tuple[str, int]] = set()
+        self._hooks = None
+
+    def __enter__(self) -> "ActivationMeter":
+        self.bytes, self.tensors, self._seen = 0, 0, set()
+        if not self.enabled:
+            return self
+        if self.model is not None:
+            for t in list(self.model.parameters()) + list(self.model.buffers()):
+                local = t.to_local() if hasattr(t, "to_local") else t  # DTensor: the rank's shard
+                if local.device.type != "meta" and local.untyped_storage().nbytes():
+                    self._seen.add(_storage_key(local))  # "seen" already: never counted
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
+        self._hooks.__enter__()
+        _ACTIVE.append(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._hooks is not None:
+            _ACTIVE.remove(self)
+            self._hooks.__exit__(*exc)
+            self._hooks = None
+
+    def add(self, t: torch.Tensor) -> None:
+        """Count `t`'s storage once, unless it is a parameter's or was counted before."""
+        self.tensors += 1
+        if t.device.type == "meta" or _is_parameter(t):
+            return
+        key = _storage_key(t)
+        if key in self._seen:
+            return
+        self._seen.add(key)
+        self.bytes += t.untyped_storage().nbytes()
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        self.add(t)
+        return t  # saved as usual: the meter only looks
+
+
+def _unpack(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+def keep_for_backward(*tensors: torch.Tensor) -> None:
+    """Tell the active meters (if any) that these tensors stay alive until backward outside
+    autograd's saved tensors: activation checkpointing keeps each checkpointed block's input to
+    recompute it. Free when no meter is active."""
+    for meter in _ACTIVE:
+        for t in tensors:
+            meter.add(t)
+
+
+# ---- predicted --------------------------------------------------------------------------------
+# Notation (Korthikanti et al. 2022): b micro-batch, s sequence length, h width (n_embd), a heads,
+# L layers, V vocabulary, c bytes per compute-dtype element (4 fp32; 2 bf16, fp16, bf16_pure).
+#
+# Korthikanti et al. count Megatron's layer at sbh(34 + 5as/h) bytes in 16-bit with 1-byte dropout
+# masks: attention 11sbh + 5as²b (QKV input 2sbh, Q and K 4sbh, softmax 2as²b, its dropout mask
+# as²b, dropped softmax 2as²b, V 2sbh, projection input 2sbh, dropout mask sbh), MLP 19sbh (input
+# 2sbh, GELU input 8sbh, GELU output 8sbh, dropout mask sbh) and two LayerNorm inputs 4sbh.
+# zerolab's layer differs in what torch's kernels save; every term of `_gpt_layer` names the
+# autograd node that saves it (verify with loss.grad_fn's `_saved_*` attributes):
+#  - attention is F.scaled_dot_product_attention. Fused kernels (CUDA flash / memory-efficient,
+#    and CPU flash, which torch picks on CPU only when dropout_p == 0) save q, k, v (views of the
+#    one qkv output: 3bsh), their output (bsh) and an fp32 logsumexp (b·a·s); no s² term. On CPU
+#    with attention dropout torch falls back to the math path, which saves q·√scale, kᵀ·√scale
+#    and a contiguous v (3bsh), the softmax, the dropout noise and the dropped softmax (3·b·a·s²),
+#    all in fp32 when the inputs are 16-bit (the CPU math path upcasts them). With b = 1 the
+#    contiguous v is a view, which keeps the whole qkv output (3bsh) instead of a bsh copy.
+#  - the attention output is transposed and reshaped before the output projection, which saves
+#    it as its input: a copy (bsh) after the math path; a view of the output the fused kernels
+#    saved anyway (they write it in (b, s, a, d) memory order), so no extra bytes.
+#  - dropout on CUDA (native_dropout) saves a bool mask, 1 byte per element; on CPU torch draws a
+#    noise tensor in the input's dtype and multiplies, saving the noise: c bytes per element.
+#  - LayerNorm saves its input and per-row mean and rstd: in the input dtype on CPU, fp32 on CUDA.
+#  - the residual adds save nothing; GELU saves its input (4bsh), the MLP projection its input
+#    (the GELU output, 4bsh).
+# Outside the layers: the token ids (the trainer's x and y are views of one b×(s+1) int64 window
+# tensor, saved by the embedding; the loss saves y flattened, a bs int64 copy unless b = 1, and
+# an fp32 scalar total_weight), the position ids
+# (s int64), the embedding dropout's mask, the final LayerNorm (input, output, stats) and the loss:
+# lm_loss upcasts the logits to fp32 and log_softmax saves its fp32 output (4·bsV bytes). The
+# logits themselves are not saved (the head saves its input), so they are transient (planner).
+
+COMPUTE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "bf16_pure": 2}
+CHECKPOINTING = ("none", "blocks", "every_k")
+DEVICES = ("cpu", "cuda")
+INT64 = 8
+
+
+@dataclass
+class ActTerm:
+    what: str
+    bytes: int
+    count: int = 1  # how many times it occurs (layers)
+
+    @property
+    def total(self) -> int:
+        return self.bytes * self.count
+
+
+@dataclass
+class ActivationPrediction:
+    model: str
+    micro_batch: int
+    seq: int
+    precision: str
+    device: str
+    checkpointing: str
+    terms: list = field(default_factory=list)
+    layer_bytes: int = 0  # one non-checkpointed transformer layer (the recompute working set)
+
+    def add(self, what: str, nbytes: float, count: int = 1) -> None:
+        if nbytes and count:
+            self.terms.append(ActTerm(what, int(nbytes), count))
+
+    @property
+    def bytes(self) -> int:
+        return sum(t.total for t in self.terms)
+
+    def to_dict(self) -> dict:
+        return {"model": self.model, "micro_batch": self.micro_batch, "seq": self.seq,
+                "precision": self.precision, "device": self.device, "checkpointing": self.checkpointing,
+                "bytes": self.bytes, "layer_bytes": self.layer_bytes,
+                "terms": [{"what": t.what, "bytes": t.bytes, "count": t.count} for t in self.terms]}
+
+
+def checkpointed_blocks(n_layer: int, mode: str, every_k: int = 1) -> list[bool]:
+    """Which blocks run under activation checkpointing: none, all (blocks), or blocks
+    0, k, 2k, ... (every_k: one block in k recomputes, the others keep their activations)."""
+    if mode not in CHECKPOINTING:
+        raise ValueError(f"activation checkpointing {mode!r} is not one of {', '.join(CHECKPOINTING)}")
+    if mode == "every_k" and every_k < 1:
+        raise ValueError(f"checkpoint_every_k={every_k} must be >= 1")
+    k = 1 if mode == "blocks" else every_k
+    return [mode != "none" and i % k == 0 for i in range(n_layer)]
+
+
+def _gpt_layer(b: int, s: int, h: int, a: int, c: int, dropout: float, device: str) -> list[tuple[str, int]]:
+    """One transformer block's saved tensors: (what, bytes)."""
+    bsh = b * s * h
+    stats_bytes = c if device == "cpu" else 4
+    mask = c if device == "cpu" else 1  # bytes per dropout-mask element
+    terms = [
+        ("ln_1 input (the residual stream; LayerNorm)", bsh * c),
+        ("ln_1 mean and rstd (LayerNorm)", 2 * b * s * stats_bytes),
+        ("ln_1 output (qkv Linear input)", bsh * c),
+    ]
+    if device == "cpu" and dropout > 0:  # CPU math attention: fp32 when the inputs are 16-bit
+        f = 4 if c == 2 else c
+        terms += [("q·√scale, kᵀ·√scale (CPU math attention)", 2 * bsh * f)]
+        if b == 1 and f == c:  # v's (b·a, s, d) reshape is a view of the qkv output only when b == 1
+            terms += [("v, a view of the whole qkv output (CPU math attention, b = 1)", 3 * bsh * c)]
+        else:
+            terms += [("v, a contiguous copy (CPU math attention)", bsh * f)]
+        terms += [("softmax, dropout noise, dropped softmax (CPU math attention, b·a·s²)", 3 * b * a * s * s * f),
+                  ("attention output, transposed copy (proj Linear input)", bsh * c)]
+    else:
+        lse_s = s if device == "cpu" else 32 * math.ceil(s / 32)  # CUDA mem-efficient kernel pads to 32
+        # The kernels write their output in (b, s, a, d) memory order, so the transpose + reshape
+        # before the projection is a view: the projection's input is the saved output itself.
+        terms += [("qkv output: q, k, v views (fused attention)", 3 * bsh * c),
+                  ("attention output = proj Linear input (fused attention)", bsh * c),
+                  ("logsumexp, fp32 (fused attention)", b * a * lse_s * 4)]
+    if dropout > 0:
+        terms += [("residual dropout mask after attn proj", bsh * mask)]
+    terms += [
+        ("ln_2 input (the residual stream; LayerNorm)", bsh * c),
+        ("ln_2 mean and rstd (LayerNorm)", 2 * b * s * stats_bytes),
+        ("ln_2 output (fc Linear input)", bsh * c),
+        ("fc output (GELU input, 4h)", 4 * bsh * c),
+        ("GELU output (MLP proj Linear input, 4h)", 4 * bsh * c),
+    ]
+    if dropout > 0:
+        terms += [("MLP dropout mask", bsh * mask)]
+    return terms
+
+
+def korthikanti_layer_bytes(b: int, s: int, h: int, a: int) -> int:
+    """Korthikanti et al. 2022, eq. 1: sbh(34 + 5as/h), Megatron's layer in 16-bit with dropout
+    (for comparison; zerolab's own count is `_gpt_layer`)."""
+    return int(s * b * h * (34 + 5 * a * s / h))
+
+
+def predict_activations(mcfg, micro_batch: int, seq: Optional[int] = None, precision: str = "fp32",
+                        device: str = "cpu", checkpointing: Optional[str] = None,
+                        every_k: Optional[int] = None, dropout: Optional[float] = None) -> ActivationPrediction:
+    """Bytes saved for backward by one forward of zerolab's model on one rank. `mcfg` is a
+    zerolab ModelConfig; `seq` defaults to its block_size; checkpointing, every_k and dropout
+    default to the config's."""
+    if precision not in COMPUTE_BYTES:
+        raise ValueError(f"unknown precision {precision!r}; known: {', '.join(COMPUTE_BYTES)}")
+    if device not in DEVICES:
+        raise ValueError(f"device {device!r} is not one of {', '.join(DEVICES)}")
+    if micro_batch < 1:
+        raise ValueError(f"micro-batch must be >= 1, got {micro_batch}")
+    b, s = micro_batch, seq or mcfg.block_size
+    c, V = COMPUTE_BYTES[precision], mcfg.vocab_size
+    mode = checkpointing or getattr(mcfg, "activation_checkpointing", "none")
+    k = every_k or getattr(mcfg, "checkpoint_every_k", 1)
+    p = mcfg.dropout if dropout is None else dropout
+    pred = ActivationPrediction(mcfg.name, b, s, precision, device, mode)
+    ids = ("token ids: the b×(s+1) int64 window tensor x and y view (Embedding)", b * (s + 1) * INT64)
+    # y (a column slice of the window tensor) is contiguous only when b == 1: otherwise the
+    # flattening in lm_loss copies it. cross_entropy also saves total_weight, an fp32 scalar.
+    target = ("targets, y flattened: a bs int64 copy (cross entropy; a view when b = 1) and total_weight",
+              (b * s * INT64 if b > 1 else 0) + 4)
+    logprobs = ("log-probabilities, fp32 b·s·V (log_softmax in lm_loss)", b * s * V * 4)
+    if mcfg.kind == "mlp":
+        if mode != "none":
+            raise ValueError("activation checkpointing applies to GPT blocks only (model.kind=mlp)")
+        H = b * s * mcfg.mlp_hidden
+        pred.add(*ids)
+        pred.add("embedding output (first Linear input)", H * c)
+        pred.add("Linear output (GELU input)", H * c, mcfg.mlp_depth)
+        pred.add("GELU output (next Linear or LayerNorm input)", H * c, mcfg.mlp_depth)
+        pred.add("LayerNorm mean and rstd", 2 * b * s * (c if device == "cpu" else 4))
+        pred.add("LayerNorm output (head input)", H * c)
+        pred.add(*logprobs)
+        pred.add(*target)
+        return pred
+    h, a, L = mcfg.n_embd, mcfg.n_head, mcfg.n_layer
+    pred.add(*ids)
+    pred.add("position ids (s int64, Embedding)", s * INT64)
+    if p > 0:
+        pred.add("embedding dropout mask", b * s * h * (c if device == "cpu" else 1))
+    layer = _gpt_layer(b, s, h, a, c, p, device)
+    pred.layer_bytes = sum(x for _, x in layer)
+    ckpt = checkpointed_blocks(L, mode, k)
+    full, recomputed = ckpt.count(False), ckpt.count(True)
+    for what, nbytes in layer:
+        pred.add(f"layer: {what}", nbytes, full)
+    pred.add("checkpointed layer: its input, kept to recompute the block", b * s * h * c, recomputed)
+    pred.add("ln_f input (the last block's output)", b * s * h * c)
+    pred.add("ln_f mean and rstd", 2 * b * s * (c if device == "cpu" else 4))
+    pred.add("ln_f output (lm_head input)", b * s * h * c)
+    pred.add(*logprobs)
+    pred.add(*target)
+    return pred
+
+
+def format_activations(pred: ActivationPrediction) -> str:
+    from zerolab.memory import human_bytes
+
+    lines = [f"activations of {pred.model}: micro-batch {pred.micro_batch} × {pred.seq} tokens, {pred.precision}, "
+             f"{pred.device}, checkpointing {pred.checkpointing}: {human_bytes(pred.bytes)}"]
+    lines += [f"  {human_bytes(t.total):>10}  {t.what}" + (f" (× {t.count})" if t.count > 1 else "")
+              for t in pred.terms]
+    return "\n".join(lines)
+
+
+__all__: Iterable[str] = ["ActivationMeter", "keep_for_backward", "predict_activations", "ActivationPrediction",
+                          "checkpointed_blocks", "korthikanti_layer_bytes", "format_activations"]

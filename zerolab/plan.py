@@ -1,0 +1,260 @@
+"""`python -m zerolab plan`: will it fit? The largest micro-batch per rank for each strategy, with and
+without activation checkpointing, under a GPU's memory with a safety margin, before anyone books
+a node.
+
+Peak per rank = the larger of two moments of a step:
+  backward  model states + buffers (zerolab.memory.predict) + activations (zerolab.activations,
+            everything the forward saved, at its largest when backward starts) + the transients of
+            that moment:
+              - logits buffers: 8·b·s·V bytes. Backward of the loss holds the fp32 gradient of the
+                log-probabilities and of the logits at once (4 + 4 bytes per logit); the forward's
+                logits (c bytes) and their fp32 copy (4, 16-bit only) are gone by then and are
+                never more than that.
+              - one checkpointed block recomputed (its activations minus its kept input), with
+                activation checkpointing.
+              - the strategy's communication buffers during backward, as memory.predict states
+                them: buckets in flight (DDP's are the gradients themselves; zero2 copies up to
+                five), DeepSpeed's reduce bucket, the gathered weights of stage 3 / FSDP.
+  step      model states + buffers + what exists inside the optimizer step only (memory.predict's
+            terms "alive inside step()" and "while the optimizer steps": fp32 gradient copies).
+Not counted: the CUDA context and allocator fragmentation (the margin is for them), the gradients
+of activations flowing through one layer during backward, NCCL's own buffers.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+import sys
+from dataclasses import dataclass, field, replace
+
+from zerolab.activations import COMPUTE_BYTES, predict_activations
+from zerolab.memory import Prediction, human_bytes, load_model_config, predict, shape_from_model_config
+
+# (label, strategy, DeepSpeed stage): every strategy memory.predict models, as the sweep lists them.
+STRATEGIES = (("ddp", "ddp", 0), ("zero1", "zero1", 0), ("zero2", "zero2", 0), ("zero3", "zero3", 0),
+              ("deepspeed-1", "deepspeed", 1), ("deepspeed-2", "deepspeed", 2), ("deepspeed-3", "deepspeed", 3),
+              ("fsdp", "fsdp", 0))
+CATEGORIES = ("params", "grads", "master", "optim_state", "buffers", "activations", "transient")
+MAX_MICRO_BATCH = 1 << 16
+_UNITS = {"b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12,
+          "kib": 2 ** 10, "mib": 2 ** 20, "gib": 2 ** 30, "tib": 2 ** 40}
+
+
+def parse_bytes(text: str, what: str = "--gpu-mem") -> int:
+    """'80GB', '24 GiB', '81920MiB', '8e10B' -> bytes. A unit is required: a bare number is ambiguous."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]+)\s*", str(text))
+    unit = m and m.group(2).lower()
+    if not m or unit not in _UNITS:
+        raise ValueError(f"{what}={text!r} is not a memory size; give a number and a unit, e.g. 80GB, 24GiB or "
+                         f"40960MiB (units: B, kB, MB, GB, TB, KiB, MiB, GiB, TiB)")
+    value = float(m.group(1)) * _UNITS[unit]
+    if value <= 0:
+        raise ValueError(f"{what}={text!r} must be more than zero")
+    return int(value)
+
+
+def step_only(term) -> bool:
+    """memory.predict's transient terms that exist inside the optimizer step only (after backward
+    has freed the activations), told apart by the words their builders use for that moment."""
+    return "step()" in term.what or "optimizer steps" in term.what
+
+
+def derived_gpt(n_params: float, seq: int, vocab: int = 50304, layers: int = 0, width: int = 0, heads: int = 0):
+    """A zerolab GPT config of about `n_params` parameters, GPT-3's proportions (Brown et al. 2020,
+    Table 2.1: width ≈ 128 × layers from 6.7B up, head dimension 128): a layer holds 12·h² + 13·h
+    parameters, the embeddings (V + s)·h. Any of layers, width, heads given is kept."""
+    if n_params <= 0:
+        raise ValueError(f"--params must be a positive number of parameters, got {n_params:g}")
+    L = layers or max(1, round((n_params / (12 * 128 ** 2)) ** (1 / 3)))
+    if not width:
+        # 12·L·h² + (V + s)·h = N, h rounded to a multiple of 128 (at least 128)
+        a, b = 12 * L, vocab + seq
+        h = (-b + math.sqrt(b * b + 4 * a * n_params)) / (2 * a)
+        width = max(128, 128 * round(h / 128))
+    heads = heads or max(1, width // 128)
+    if width % heads:
+        raise ValueError(f"--width={width} must be divisible by --heads={heads}")
+    base = load_model_config("gpt_tiny")
+    return replace(base, name=f"gpt_{n_params:.3g}", n_layer=L, n_embd=width, n_head=heads, vocab_size=vocab,
+                   block_size=seq, dropout=0.0, bias=True)
+
+
+@dataclass
+class Fit:
+    label: str
+    checkpointing: str
+    micro_batch: int  # largest that fits; 0: not even 1
+    peak: int  # at micro_batch (or at 1 when nothing fits)
+    breakdown: dict = field(default_factory=dict)
+    phase: str = "backward"  # the moment that sets the peak
+    dominant: str = ""
+
+    def to_dict(self) -> dict:
+        return {"strategy": self.label, "checkpointing": self.checkpointing, "max_micro_batch": self.micro_batch,
+                "peak_bytes": self.peak, "phase": self.phase, "dominant": self.dominant,
+                "bytes": dict(self.breakdown)}
+
+
+class Planner:
+    def __init__(self, mcfg, world: int, seq: int, precision: str = "bf16", optim: str = "adamw",
+                 device: str = "cuda", bucket_mb: float = 25.0, every_k: int = 2):
+        if world < 1:
+            raise ValueError(f"--world must be >= 1, got {world}")
+        if seq < 1 or seq > mcfg.block_size:
+            raise ValueError(f"--seq={seq} must be in [1, the model's block_size={mcfg.block_size}]")
+        if precision not in COMPUTE_BYTES:
+            raise ValueError(f"unknown precision {precision!r}; known: {', '.join(COMPUTE_BYTES)}")
+        self.mcfg, self.world, self.seq, self.precision = mcfg, world, seq, precision
+        self.optim, self.device, self.every_k = optim, device, every_k
+        self.shape = shape_from_model_config(mcfg)
+        self.states: dict[str, Prediction] = {}
+        for label, strategy, stage in STRATEGIES:
+            if strategy == "deepspeed" and precision == "bf16_pure":
+                continue  # DeepSpeed has no bf16_pure mode
+            self.states[label] = predict(self.shape, strategy, world, precision, optim, stage=stage,
+                                         bucket_mb=bucket_mb)
+
+    def peak(self, label: str, micro_batch: int, checkpointing: str) -> tuple[int, dict, str]:
+        """(peak bytes, bytes by category at that moment, the moment: backward | step)."""
+        pred = self.states[label]
+        states = pred.bytes()
+        acts = predict_activations(self.mcfg, micro_batch, self.seq, self.precision, self.device,
+                                   checkpointing=checkpointing, every_k=self.every_k)
+        b, s, c = micro_batch, self.seq, COMPUTE_BYTES[self.precision]
+        logits = 8 * b * s * self.mcfg.vocab_size
+        recompute = acts.layer_bytes - b * s * self.mcfg.n_embd * c if checkpointing != "none" else 0
+        comm_bwd = sum(t.bytes for t in pred.terms if t.category == "transient" and not step_only(t))
+        comm_step = sum(t.bytes for t in pred.terms if t.category == "transient" and step_only(t))
+        base = {k: states[k] for k in ("params", "grads", "master", "optim_state", "buffers")}
+        backward = {**base, "activations": acts.bytes, "transient": logits + recompute + comm_bwd}
+        step = {**base, "activations": 0, "transient": comm_step}
+        bwd_total, step_total = sum(backward.values()), sum(step.values())
+        return (bwd_total, backward, "backward") if bwd_total >= step_total else (step_total, step, "step")
+
+    def fit(self, label: str, budget: int, checkpointing: str) -> Fit:
+        """The largest micro-batch whose peak is at most `budget` (peak grows with it: bisection)."""
+        lo, hi = 0, 1
+        while hi <= MAX_MICRO_BATCH and self.peak(label, hi, checkpointing)[0] <= budget:
+            lo, hi = hi, hi * 2
+        hi = min(hi, MAX_MICRO_BATCH + 1)
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if self.peak(label, mid, checkpointing)[0] <= budget else (lo, mid)
+        peak, parts, phase = self.peak(label, max(lo, 1), checkpointing)
+        dominant = max(parts, key=parts.get)
+        return Fit(label, checkpointing, lo, peak, parts, phase, dominant)
+
+    def table(self, budget: int) -> list[Fit]:
+        return [self.fit(label, budget, ck) for label in self.states for ck in ("none", "blocks")]
+
+
+def format_plan(planner: Planner, fits: list[Fit], gpu_mem: int, margin: float) -> str:
+    m, budget = planner.mcfg, int(gpu_mem * (1 - margin))
+    head = (f"{m.name}: {planner.shape.n_params:,} parameters (L {m.n_layer}, h {m.n_embd}, heads {m.n_head}, "
+            f"V {m.vocab_size}) | {planner.precision} | {planner.optim} | world {planner.world} | seq {planner.seq} | "
+            f"activations as on {planner.device}")
+    lines = [head, f"budget per rank: {human_bytes(budget)} = {human_bytes(gpu_mem)} × (1 − margin {margin:g})", ""]
+    cols = f"{'strategy':<12} {'ckpt':<7} {'max mb':>7} {'peak/rank':>10}  " + " ".join(
+        f"{c:>11}" for c in ("states", "activations", "transient")) + "  dominant"
+    lines += [cols, "-" * len(cols)]
+    for f in fits:
+        states = sum(f.breakdown[k] for k in ("params", "grads", "master", "optim_state", "buffers"))
+        mb = str(f.micro_batch) if f.micro_batch else "none"
+        at = "" if f.micro_batch else " (at mb 1)"
+        lines.append(f"{f.label:<12} {f.checkpointing:<7} {mb:>7} {human_bytes(f.peak):>10}  "
+                     f"{human_bytes(states):>11} {human_bytes(f.breakdown['activations']):>11} "
+                     f"{human_bytes(f.breakdown['transient']):>11}  {f.dominant}"
+                     + (" (optimizer step)" if f.phase == "step" else "") + at)
+    lines += ["", "max mb: the largest micro-batch per rank whose predicted peak fits the budget ('none': not even 1).",
+              "peak = model states + buffers (python -m zerolab memory) + activations saved for backward + transients "
+              "of the same moment (logits gradients 8·b·s·V bytes, one recomputed block with checkpointing, the "
+              "strategy's buckets / gathered weights); or the optimizer step's, if larger. Not counted: CUDA context, "
+              "fragmentation (the margin), NCCL buffers. See zerolab/plan.py."]
+    return "\n".join(lines)
+
+
+def plot_plan(path: str, planner: Planner, fits: list[Fit], gpu_mem: int, margin: float) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+
+    top = max([f.micro_batch for f in fits] + [1])
+    mbs = sorted({1, 2} | {2 ** i for i in range(int(math.log2(max(2, top))) + 2)})
+    fig, ax = plt.subplots(figsize=(10, 5))
+    for i, label in enumerate(planner.states):
+        for ck, style in (("none", "-"), ("blocks", "--")):
+            ax.plot(mbs, [planner.peak(label, b, ck)[0] / 1e9 for b in mbs], linestyle=style,
+                    marker="os^vDx*P"[i % 8], color=f"C{i}", label=f"{label}" + (" + ckpt" if ck == "blocks" else ""))
+    ax.axhline(gpu_mem / 1e9, color="k", linewidth=1.5, label=f"GPU memory {human_bytes(gpu_mem)}")
+    ax.axhline(gpu_mem * (1 - margin) / 1e9, color="k", linestyle=":", label=f"budget (margin {margin:g})")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("micro-batch per rank")
+    ax.set_ylabel("predicted peak per rank (GB)")
+    ax.set_title(f"{planner.mcfg.name}, {planner.precision}, world {planner.world}, seq {planner.seq}")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # beside the axes: no line hidden
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def cli_main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="python -m zerolab plan",
+                                description="The largest micro-batch per rank that fits each strategy, with and without "
+                                            "activation checkpointing, and the peak memory it predicts.")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--model", help="a model config name from conf/model/ (e.g. gpt2_124m)")
+    src.add_argument("--params", type=float, help="parameter count, e.g. 7e9: a GPT shape is derived (GPT-3's proportions)")
+    p.add_argument("--layers", type=int, default=0, help="with --params: layers (default: derived)")
+    p.add_argument("--width", type=int, default=0, help="with --params: n_embd (default: derived, a multiple of 128)")
+    p.add_argument("--heads", type=int, default=0, help="with --params: heads (default: width / 128)")
+    p.add_argument("--vocab", type=int, default=50304, help="with --params: vocabulary size")
+    p.add_argument("--gpu-mem", required=True, help="memory per GPU, with a unit: 80GB, 24GiB, 40960MiB")
+    p.add_argument("--world", type=int, default=1, help="data-parallel ranks (GPUs)")
+    p.add_argument("--seq", type=int, default=0, help="sequence length (default: the model's block_size)")
+    p.add_argument("--precision", default="bf16", choices=list(COMPUTE_BYTES))
+    p.add_argument("--optim", default="adamw", help="adamw | adam | lamb | lars | sgd | sgd_momentum")
+    p.add_argument("--margin", type=float, default=0.1, help="share of GPU memory kept free (default 0.1)")
+    p.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
+                   help="whose kernels save the activations (attention, dropout masks differ)")
+    p.add_argument("--bucket-mb", type=float, default=25.0, help="strategy.bucket_mb")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.add_argument("--plot", help="also write this PNG: peak per rank against micro-batch, the memory line drawn")
+    args = p.parse_args(argv)
+    try:
+        gpu_mem = parse_bytes(args.gpu_mem)
+        if not 0 <= args.margin < 1:
+            raise ValueError(f"--margin={args.margin} must be in [0, 1)")
+        if args.params is not None:
+            mcfg = derived_gpt(args.params, args.seq or 2048, args.vocab, args.layers, args.width, args.heads)
+        else:
+            if args.layers or args.width or args.heads:
+                raise ValueError("--layers/--width/--heads shape a model given by --params; --model has its own")
+            mcfg = load_model_config(args.model)
+        if mcfg.kind != "gpt":
+            raise ValueError(f"--model {args.model}: the planner sizes GPT models (model.kind=gpt)")
+        planner = Planner(mcfg, args.world, args.seq or mcfg.block_size, args.precision, args.optim, args.device,
+                          args.bucket_mb)
+    except (ValueError, NotImplementedError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    budget = int(gpu_mem * (1 - args.margin))
+    fits = planner.table(budget)
+    if args.json:
+        m = planner.mcfg
+        print(json.dumps({"model": m.name, "n_params": planner.shape.n_params,
+                          "shape": {"n_layer": m.n_layer, "n_embd": m.n_embd, "n_head": m.n_head,
+                                    "vocab_size": m.vocab_size},
+                          "precision": args.precision, "optim": args.optim, "world": args.world, "seq": planner.seq,
+                          "device": args.device, "gpu_mem_bytes": gpu_mem, "margin": args.margin,
+                          "budget_bytes": budget, "rows": [f.to_dict() for f in fits]}, indent=2))
+    else:
+        print(format_plan(planner, fits, gpu_mem, args.margin))
+    if args.plot:
+        plot_plan(args.plot, planner, fits, gpu_mem, args.margin)
+        print(f"plot: {args.plot}", file=sys.stderr if args.json else sys.stdout)
+    return 0
