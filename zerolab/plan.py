@@ -57,8 +57,8 @@ def parse_bytes(text: str, what: str = "--gpu-mem") -> int:
 
 def step_only(term) -> bool:
     """memory.predict's transient terms that exist inside the optimizer step only (after backward
-    has freed the activations), told apart by the words their builders use for that moment."""
-    return "step()" in term.what or "optimizer steps" in term.what
+    has freed the activations): the strategy's predictor says so (Term.when)."""
+    return term.when == "step"
 
 
 def derived_gpt(n_params: float, seq: int, vocab: int = 50304, layers: int = 0, width: int = 0, heads: int = 0):

@@ -35,6 +35,10 @@ class Term:
     category: str  # one of CATEGORIES, or "transient" (exists only during part of the step)
     bytes: int
     what: str
+    # For a transient term, the part of the step it lives in: "backward" (with the activations:
+    # buckets in flight, gathered weights) or "step" (inside the optimizer step, after backward
+    # freed the activations). The planner adds each to the peak of its own moment.
+    when: str = "backward"
 
 
 @dataclass
@@ -52,8 +56,8 @@ class Prediction:
     paper_stage: int = 0  # the ZeRO paper's stage it is held against (MemoryModel.memory_identity)
     explain_always: bool = False  # print `why` even where the figures equal the paper's (a formula says so)
 
-    def add(self, category: str, nbytes: float, what: str) -> None:
-        self.terms.append(Term(category, int(math.ceil(nbytes)), what))
+    def add(self, category: str, nbytes: float, what: str, when: str = "backward") -> None:
+        self.terms.append(Term(category, int(math.ceil(nbytes)), what, when))
 
     def bytes(self) -> dict[str, int]:
         """Same keys as StorageCounter.result(), so predicted and measured line up."""

@@ -132,7 +132,7 @@ class DDPStrategy(Strategy):
         s = 4 if precision != "bf16_pure" else 2  # the optimizer updates fp32 masters, or the bf16 weights
         if precision in MIXED:
             p.add("master", n * 4, "fp32 master weights: Ψ × 4")
-            p.add("transient", n * 4, "fp32 copies of the gradients while the optimizer steps: Ψ × 4")
+            p.add("transient", n * 4, "fp32 copies of the gradients while the optimizer steps: Ψ × 4", when="step")
         p.add("optim_state", n * k * s, f"optimizer state: Ψ × {k:g} elements × {s}")
         if shape.buffer_bytes:
             p.add("buffers", shape.buffer_bytes, "model buffers")

@@ -401,7 +401,7 @@ class DeepSpeedStrategy(Strategy):
             owned = ds_grads_in_partition(shape, N, rank)
             p.add("grads", owned * c, f"{dt} gradients of the tensors overlapping this partition, whole "
                                       f"(grads_in_partition): {fmt_n(owned)} × {c}")
-            p.add("transient", part * 4, f"fp32 gradient partition, alive inside step() only: {fmt_n(part)} × 4")
+            p.add("transient", part * 4, f"fp32 gradient partition, alive inside step() only: {fmt_n(part)} × 4", when="step")
             p.add("master", part * 4, f"fp32 weight partition (kept even in fp32 training): {fmt_n(part)} × 4")
             p.add("optim_state", part * k * 4, f"optimizer state of the partition: {fmt_n(part)} × {k:g} × 4")
             p.add("transient", min(int(bucket_mb * 2 ** 20), n * c),
@@ -425,7 +425,7 @@ class DeepSpeedStrategy(Strategy):
         if persistent:
             p.add("params", persistent * c, f"small tensors kept whole on every rank: {fmt_n(persistent)} × {c}")
         p.add("grads", part * c, f"{dt} gradient partitions (flat buffer): {fmt_n(part)} × {c}")
-        p.add("transient", part * 4, f"fp32 gradient partition, alive inside step() only: {fmt_n(part)} × 4")
+        p.add("transient", part * 4, f"fp32 gradient partition, alive inside step() only: {fmt_n(part)} × 4", when="step")
         p.add("master", part * 4, f"fp32 weight partition (kept even in fp32 training): {fmt_n(part)} × 4")
         p.add("optim_state", part * k * 4, f"optimizer state of the partition: {fmt_n(part)} × {k:g} × 4")
         p.add("transient", min(int(bucket_mb * 2 ** 20), n * c),
