@@ -28,7 +28,7 @@ install: $(STAMP)
 # The default job: the strategy comparison, short, on 2 CPU ranks (conf/experiment/compare.yaml).
 # Each strategy is its own torchrun job (hydra_plugins/zerolab_torchrun) in one sweep directory;
 # the sweep ends by printing the report's table and the paths of its PNGs.
-STRATEGIES ?= ddp,zero1,zero2,deepspeed,torch_zero,fsdp
+STRATEGIES ?= ddp,zero1,zero2,zero3,deepspeed,torch_zero,fsdp
 run: install
 	$(PY) train.py -m experiment=compare strategy=$(STRATEGIES) $(ARGS)
 

@@ -33,7 +33,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--warmup", type=int, default=5, help="steps left out of the timing")
-    p.add_argument("--strategies", default="ddp,zero1,zero2,deepspeed,torch_zero,fsdp")
+    p.add_argument("--strategies", default="ddp,zero1,zero2,zero3,deepspeed,torch_zero,fsdp")
     p.add_argument("--model", default="gpt_small")
     p.add_argument("--rounds", type=int, default=2, help="sweeps, in alternating strategy order; timings pooled")
     p.add_argument("--root", default=str(ROOT / "bench" / "runs"))

@@ -326,11 +326,12 @@ class Zero3Strategy(ZeroStrategy):
             p.add("master", shard * 4, f"fp32 master shard the optimizer updates: {fmt_n(shard)} × 4")
         p.add("optim_state", shard * k * s, f"optimizer state of the shard: {fmt_n(shard)} × {k:g} × {s}")
         rb = 4 if reduce_dtype == "fp32" else c
-        p.add("transient", min(len(sizes), MAX_LIVE_BUCKETS) * max(sizes) * c,
-              f"gathered buckets during forward/backward (the running unit, the root and a prefetch, at most "
-              f"MAX_LIVE_BUCKETS = {MAX_LIVE_BUCKETS}; every unit at the end of forward with "
-              "strategy.reshard_after_forward=false)")
-        p.add("transient", min(len(sizes), 1 + MAX_IN_FLIGHT) * max(sizes) * rb,
+        largest = sorted(sizes, reverse=True)  # upper bounds: the biggest buckets alive at once
+        p.add("transient", sum(largest[:MAX_LIVE_BUCKETS]) * c,
+              f"gathered buckets during forward/backward (the running unit, the root and a prefetch: at most "
+              f"MAX_LIVE_BUCKETS = {MAX_LIVE_BUCKETS}, bounded by the largest ones; every unit at the end of "
+              "forward with strategy.reshard_after_forward=false)")
+        p.add("transient", sum(largest[:1 + MAX_IN_FLIGHT]) * rb,
               f"gradient buckets copied for reduce-scatter (at most MAX_IN_FLIGHT = {MAX_IN_FLIGHT} in flight plus "
               "the one filling)")
         if shape.buffer_bytes:
