@@ -53,6 +53,20 @@ def base_env(**extra) -> dict:
     return env
 
 
+@pytest.fixture
+def one_rank(monkeypatch):
+    """A one-process gloo group (in-memory store): real collectives, no launcher, no process."""
+    from zerolab import dist as zdist
+    from zerolab.config import DistConfig
+
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "SLURM_PROCID"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    ctx = zdist.init(DistConfig(device="cpu"))
+    yield ctx
+    zdist.shutdown(ctx)
+
+
 @pytest.fixture(scope="session")
 def deepspeed_ops():
     """DeepSpeed tests need its CPU ops built at install (zerolab/ds_ops.py): a first-use compile

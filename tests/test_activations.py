@@ -102,18 +102,6 @@ def test_korthikanti_reference():
 
 
 # ---- a training run: checkpointing on vs off --------------------------------------------------
-@pytest.fixture
-def one_rank(monkeypatch):
-    """A one-process gloo group (in-memory store): real collectives, no launcher."""
-    from zerolab import dist as zdist
-    from zerolab.config import DistConfig
-
-    for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "SLURM_PROCID"):
-        monkeypatch.delenv(var, raising=False)
-    ctx = zdist.init(DistConfig(device="cpu"))
-    yield ctx
-    zdist.shutdown(ctx)
-
 
 RUN = ["model=gpt_tiny", "model.dropout=0.1", "data=synthetic", "data.micro_batch=4", "trainer.max_steps=20",
        "trainer.eval_every=0", "trainer.eval_batches=1", "trainer.log_every=10", "precision=fp32",

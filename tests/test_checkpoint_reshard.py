@@ -1,4 +1,4 @@
-"""Resharding: a checkpoint saved by N ranks of ddp/zero1/zero2 resumes under M != N ranks of any
+"""Resharding: a checkpoint saved by N ranks of ddp/zero1/zero2/zero3 resumes under M != N ranks of any
 of them, and the next optimizer step equals the step the original run took (fp32, 1e-6).
 
 Each source run trains K+1 steps and saves at step K; its final weights are "the step the
@@ -19,13 +19,16 @@ COMMON = ["model=gpt_tiny", "model.bias=false", "data=text", f"trainer.max_steps
 
 
 def batch(n: int) -> str:
-    return f"data.micro_batch={12 // n}"  # global batch 12 at 2 and 3 ranks
+    return f"data.micro_batch={12 // n}"  # global batch 12 at 1, 2 and 3 ranks
 
 # (source strategy, ranks) -> (target strategy, ranks): every strategy as source and target, both
 # directions, and same-strategy reshards of the sharded ones.
 CASES = [(("ddp", 2), ("zero2", 3)), (("ddp", 3), ("zero1", 2)), (("zero1", 2), ("zero1", 3)),
          (("zero1", 3), ("ddp", 2)), (("zero2", 2), ("zero1", 3)), (("zero2", 3), ("zero2", 2)),
-         (("zero2", 3), ("ddp", 2)), (("zero1", 2), ("zero2", 3))]
+         (("zero2", 3), ("ddp", 2)), (("zero1", 2), ("zero2", 3)),
+         # zero3 (zerolab's own): its pieces are zero2's, keyed by name, so it reshards both ways
+         (("zero3", 2), ("zero2", 3)), (("zero3", 2), ("ddp", 1)), (("zero2", 3), ("zero3", 2)),
+         (("ddp", 1), ("zero3", 2))]
 
 
 @pytest.fixture(scope="module")

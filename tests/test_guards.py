@@ -151,18 +151,6 @@ def test_report_is_one_paragraph_unless_debugging(capsys, monkeypatch):
     assert report(ConfigError("bad")) == 2
 
 
-@pytest.fixture
-def one_rank(monkeypatch):
-    """A one-process gloo group (in-memory store): real collectives, no launcher."""
-    from zerolab import dist as zdist
-    from zerolab.config import DistConfig
-
-    for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "SLURM_PROCID"):
-        monkeypatch.delenv(var, raising=False)
-    ctx = zdist.init(DistConfig(device="cpu"))
-    yield ctx
-    zdist.shutdown(ctx)
-
 
 def test_agree_raises_the_same_explained_error_everywhere(one_rank):
     from zerolab.trainer import agree

@@ -4,20 +4,14 @@ import pytest
 import torch
 
 from conftest import fixed_corpus, rel_l2_diff
-from zerolab import dist as zdist
 from zerolab.config import compose
 from zerolab.models import build_model
 from zerolab.trainer import Trainer
 
 
 @pytest.fixture()
-def ctx(monkeypatch):
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        monkeypatch.delenv(var, raising=False)
-    monkeypatch.setenv("WANDB_MODE", "disabled")
-    context = zdist.init(compose([]).dist)
-    yield context
-    zdist.shutdown(context)
+def ctx(one_rank):
+    return one_rank  # conftest: a one-process gloo group
 
 
 def train_with_frozen(ctx, tmp_path, strategy: str, steps: int = 3) -> tuple[dict, dict]:

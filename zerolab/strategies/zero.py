@@ -78,14 +78,7 @@ class ZeroStrategy(Strategy):
 
     # ---- setup ------------------------------------------------------------------------------
     def setup(self, model: nn.Module, param_groups: list[dict], make_optimizer: OptimizerFactory) -> nn.Module:
-        model.to(device=self.ctx.device, dtype=self.precision.compute_dtype)
-        self.model, self.world, self.rank = model, self.ctx.world_size, self.ctx.rank
-        for p in model.parameters():  # every rank starts from rank 0's weights
-            dist.broadcast(p.data, src=0)
-        self.reduce_dtype = torch.float32 if self.cfg.strategy.reduce_dtype == "fp32" else self.precision.compute_dtype
-        # The shard the optimizer updates: fp32 master weights, except in bf16_pure, whose point
-        # is to update the 16-bit weights themselves (the owned chunk, then all-gathered).
-        self.shard_dtype = self.precision.compute_dtype if self.precision.name == "bf16_pure" else torch.float32
+        self._place(model)
         self.buckets = self._make_buckets(model, param_groups)
         self.bucket_of = {id(p): b for b in self.buckets for p, _, _ in b.params}
         self.offset_of = {id(p): off for b in self.buckets for p, _, off in b.params}
@@ -116,6 +109,18 @@ class ZeroStrategy(Strategy):
             if own:
                 module.register_forward_pre_hook(lambda _m, _inp, own=sorted(own): self._wait_gathers(own))
         return model
+
+    def _place(self, model: nn.Module) -> None:
+        """Model on the device in compute dtype, rank 0's weights everywhere, and the dtypes of the
+        reduction and of the shard the optimizer updates."""
+        model.to(device=self.ctx.device, dtype=self.precision.compute_dtype)
+        self.model, self.world, self.rank = model, self.ctx.world_size, self.ctx.rank
+        for p in model.parameters():  # every rank starts from rank 0's weights
+            dist.broadcast(p.data, src=0)
+        self.reduce_dtype = torch.float32 if self.cfg.strategy.reduce_dtype == "fp32" else self.precision.compute_dtype
+        # The shard the optimizer updates: fp32 master weights, except in bf16_pure, whose point
+        # is to update the 16-bit weights themselves (the owned chunk, then all-gathered).
+        self.shard_dtype = self.precision.compute_dtype if self.precision.name == "bf16_pure" else torch.float32
 
     def _make_buckets(self, model: nn.Module, param_groups: list[dict]) -> list[Bucket]:
         order = {id(p): i for i, p in enumerate(model.parameters())}

@@ -108,12 +108,7 @@ class Zero3Strategy(ZeroStrategy):
 
     # ---- setup ------------------------------------------------------------------------------
     def setup(self, model: nn.Module, param_groups: list[dict], make_optimizer: OptimizerFactory) -> nn.Module:
-        model.to(device=self.ctx.device, dtype=self.precision.compute_dtype)
-        self.model, self.world, self.rank = model, self.ctx.world_size, self.ctx.rank
-        for p in model.parameters():  # every rank starts from rank 0's weights
-            dist.broadcast(p.data, src=0)
-        self.reduce_dtype = torch.float32 if self.cfg.strategy.reduce_dtype == "fp32" else self.precision.compute_dtype
-        self.shard_dtype = self.precision.compute_dtype if self.precision.name == "bf16_pure" else torch.float32
+        self._place(model)  # zero.py: device, dtype, rank 0's weights, reduce and shard dtypes
         self.reshard_after_forward = self.cfg.strategy.reshard_after_forward
         self.units = self._make_units(model, param_groups)
         self.unit_of = {id(p): u for u in self.units for p in u.params}
