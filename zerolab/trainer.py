@@ -30,14 +30,15 @@ from zerolab.digest import write_digest
 from zerolab.errors import ZerolabError, debug_enabled, report
 from zerolab.fault import FaultInjector, ProgressBoard, RankStopped
 from zerolab.memory import check_against, ledger_for_run, process_memory, process_summary
-from zerolab.errors import ZerolabError
 from zerolab.metrics import MetricsSink, Progress
 from zerolab.models import MODELS, build_model, count_params, lm_loss, param_groups
 from zerolab.optim import build_optimizer
 from zerolab.optim.schedule import LRSchedule
 from zerolab.preempt import MARKER, Preempted, StopRequest
 from zerolab.precision import Precision
+from zerolab.stats import percentile
 from zerolab.strategies import strategy_class
+from zerolab.timing import StepClock
 
 log = logging.getLogger("zerolab")
 
@@ -101,9 +102,6 @@ def agree(ctx: zdist.DistContext, check) -> None:
         raise err from cause
 
 
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(round(q / 100 * (len(ordered) - 1))))]
 
 
 class Trainer:
@@ -226,7 +224,7 @@ class Trainer:
     def fit(self) -> dict:
         cfg, ctx, t = self.cfg, self.ctx, self.cfg.trainer
         tokens_per_step = self.global_batch * cfg.model.block_size
-        step_times, eval_loss, loss = [], float("nan"), float("nan")
+        clock, eval_loss, loss = StepClock(ctx.device), float("nan"), float("nan")
         bar = Progress(ctx.is_main, cfg.logging.progress, t.max_steps, self.start_step, cfg.strategy.name)
         per_rank: list[dict] = []
         skipped = 0  # steps whose update was skipped (every rank agrees on each)
@@ -235,16 +233,14 @@ class Trainer:
             os.remove(os.path.join(self.run_dir, MARKER))  # a previous attempt's: this one is running now
         for step in range(self.start_step, t.max_steps):
             self.fault.before_step(step)
-            ctx.synchronize()
-            t0 = time.perf_counter()
+            clock.start()  # no device sync per step (zerolab.timing): zero1/2's all-gathers stay in flight
             local_loss, lr, info = self.train_step(step)
-            ctx.synchronize()
-            dt = time.perf_counter() - t0
-            step_times.append(dt)
+            clock.stop()
             skipped += info.skipped
             comm = self.strategy.comm.pop_step()
             if self.logs_step(step):
                 self.progress.at(step, "log")
+                dt = clock.last()
                 loss = ctx.all_reduce_mean(local_loss.item())
                 per_rank = ctx.gather_objects(self.rank_figures(comm))
                 record = {"step": step + 1, "loss": loss, "lr": lr, "grad_norm": info.grad_norm,
@@ -281,7 +277,7 @@ class Trainer:
                 bar.close()
                 self.preempt(step + 1, saved)
         bar.close()
-        summary = self.finish(loss, eval_loss, step_times, per_rank, skipped, last_record)
+        summary = self.finish(loss, eval_loss, clock.times(), per_rank, skipped, last_record)
         if summary.get("error"):  # after summary.json is written, so the record of the failure exists
             err = ZerolabError(summary["error"])
             err.same_on_every_rank = True  # every rank counted the same skipped steps: rank 0 says it
