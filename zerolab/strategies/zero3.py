@@ -135,6 +135,7 @@ class Zero3Strategy(ZeroStrategy):
         self.next_launch = 0
         self.sync = True  # zero2's path: never False, every micro-batch reduces
         self.gathers: dict[int, tuple] = {}  # all-gathers in flight: bucket index -> (work, input chunk)
+        self._gather_input_bytes: dict[int, int] = {}  # zero.py's; stays empty: the inputs are the persistent chunks
         self.live: set[int] = set()  # buckets whose full buffer exists (gathered or in flight)
         for unit in self.units:
             for p in unit.params:
@@ -196,6 +197,8 @@ class Zero3Strategy(ZeroStrategy):
                 continue
             b = self.buckets[i]
             b.flat_params.untyped_storage().resize_(b.size * b.flat_params.element_size())
+            # gathered weights are transient (peak accounting): forward or backward, until freed
+            self._transient_alloc(b.size * b.flat_params.element_size(), "backward")
             chunk = self._chunk(b)
             self.comm.record("all_gather", b.flat_params)
             self.gathers[i] = (dist.all_gather_single(b.flat_params, chunk, async_op=True), chunk)
@@ -203,6 +206,8 @@ class Zero3Strategy(ZeroStrategy):
 
     def _free_bucket(self, i: int) -> None:
         self._wait_gathers([i])  # never take memory from under a collective still writing it
+        if i in self.live:
+            self._transient_free(self.buckets[i].flat_params.untyped_storage().nbytes())
         self.buckets[i].flat_params.untyped_storage().resize_(0)
         self.live.discard(i)
 
