@@ -99,3 +99,19 @@ def test_planner_largest_micro_batch_is_confirmed_by_runs(tmp_path):
         peaks[b] = [last[f"rank{r}/mem/peak_bytes"] for r in range(world)]
     assert all(p <= limit for p in peaks[fit.micro_batch]), (peaks, limit)
     assert all(p > limit for p in peaks[fit.micro_batch + 1]), (peaks, limit)
+
+
+def test_compare_report_shows_the_peak_split_measured_against_predicted(tmp_path):
+    from zerolab.report import Run, compute_stats, peak_table
+
+    rec = {"step": 2}
+    for r in range(2):
+        for prefix, parts in (("mem", (100, 30, 10)), ("mem_pred", (100, 30, 20))):
+            rec[f"rank{r}/{prefix}/peak_bytes"] = sum(parts) * 2 ** 20
+            rec.update({f"rank{r}/{prefix}/peak_{p}_bytes": v * 2 ** 20 for p, v in zip(PARTS, parts)})
+    run = Run(tmp_path, {"strategy": {"name": "ddp"}}, [rec], {"world_size": 2}, label="ddp")
+    compute_stats(run)
+    table = peak_table([run]).splitlines()
+    assert len(table) == 4  # header, rule, one row per rank
+    assert table[2].split("|")[1:-1] == [" ddp ", " 0 ", " 140.00 ", " 100.00 ", " 30.00 ", " 10.00 ",
+                                         " 150.00 (100.00 / 30.00 / 20.00) ", " 0.933 "]
