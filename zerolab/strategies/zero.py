@@ -207,7 +207,7 @@ class ZeroStrategy(TransientPeak, Strategy):
         while self.next_launch < len(self.buckets):
             b = self.buckets[self.next_launch]
             if not flush and b.arrived < len(b.params):
-                return
+                break  # (not return: the drain below must run, or nothing is freed before backward ends)
             self._reduce_scatter(b)
             self.next_launch += 1
         # Free finished buckets while backward goes on, so zero2 never holds a whole gradient;
@@ -400,12 +400,18 @@ class ZeroStrategy(TransientPeak, Strategy):
         p.add("optim_state", shard * k * s, f"optimizer state of the shard: {fmt_n(shard)} × {k:g} × {s}")
         rb = 4 if reduce_dtype == "fp32" else c
         if cls.stage == 2:
-            p.add("transient", min(len(sizes), 1 + MAX_IN_FLIGHT) * max(sizes) * rb,
+            # backward waits once more than MAX_IN_FLIGHT are in flight, i.e. after launching one more
+            p.add("transient", min(len(sizes), 2 + MAX_IN_FLIGHT) * max(sizes) * rb,
                   "gradient buckets copied for reduce-scatter, freed as each finishes during backward "
-                  f"(at most MAX_IN_FLIGHT = {MAX_IN_FLIGHT} in flight plus the one filling)")
+                  f"(at most MAX_IN_FLIGHT + 1 = {MAX_IN_FLIGHT + 1} in flight plus the one filling)")
         elif rb != c:
             p.add("transient", max(sizes) * rb, "fp32 copy of a bucket for reduce-scatter (strategy.reduce_dtype=fp32)")
-        p.add("transient", max(sizes) // N * (4 + rb), "reduce-scatter output / all-gather input chunk of one bucket")
+        in_flight = min(len(sizes), 1 + MAX_IN_FLIGHT)  # the drain runs after a launch past MAX_IN_FLIGHT
+        p.add("transient", in_flight * (max(sizes) // N) * rb,
+              f"reduce-scatter outputs (one chunk per bucket) of the {in_flight} bucket(s) in flight during backward")
+        if precision in MIXED:  # fp32 and bf16_pure all-gather straight from the shard (a view)
+            p.add("transient", shard * c, f"{dt} copies of the owned chunks, the all-gather inputs of every bucket "
+                                          f"from the optimizer step to the next forward: {fmt_n(shard)} × {c}", when="step")
         if shape.buffer_bytes:
             p.add("buffers", shape.buffer_bytes, "model buffers")
         paper = "4Ψ + KΨ/N" if cls.stage == 1 else "2Ψ + (2 + K)Ψ/N"

@@ -335,9 +335,11 @@ class Zero3Strategy(ZeroStrategy):
               f"gathered buckets during forward/backward (the running unit, the root and a prefetch, at most "
               f"MAX_LIVE_BUCKETS = {MAX_LIVE_BUCKETS}; every unit at the end of forward with "
               "strategy.reshard_after_forward=false)")
-        p.add("transient", min(len(sizes), 1 + MAX_IN_FLIGHT) * max(sizes) * rb,
-              f"gradient buckets copied for reduce-scatter (at most MAX_IN_FLIGHT = {MAX_IN_FLIGHT} in flight plus "
-              "the one filling)")
+        p.add("transient", min(len(sizes), 2 + MAX_IN_FLIGHT) * max(sizes) * rb,
+              f"gradient buckets copied for reduce-scatter (at most MAX_IN_FLIGHT + 1 = {MAX_IN_FLIGHT + 1} in flight "
+              "plus the one filling)")
+        p.add("transient", min(len(sizes), 1 + MAX_IN_FLIGHT) * (max(sizes) // N) * rb,
+              "reduce-scatter outputs (one chunk per bucket) of the buckets in flight during backward")
         if shape.buffer_bytes:
             p.add("buffers", shape.buffer_bytes, "model buffers")
         why = []
