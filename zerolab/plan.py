@@ -2,7 +2,8 @@
 without activation checkpointing, under a GPU's memory with a safety margin, before anyone books
 a node.
 
-Peak per rank = the larger of two moments of a step:
+Peak per rank = the larger of two moments of a step (composed in zerolab/memory/peak.py, shared
+with the run's ledger and the trainer's CPU accounting):
   backward  model states + buffers (zerolab.memory.predict) + activations (zerolab.activations,
             everything the forward saved, at its largest when backward starts) + the transients of
             that moment:
@@ -31,6 +32,7 @@ from dataclasses import dataclass, field, replace
 
 from zerolab.activations import COMPUTE_BYTES, predict_activations
 from zerolab.memory import Prediction, human_bytes, load_model_config, predict, shape_from_model_config
+from zerolab.memory.peak import predicted_peak
 
 # (label, strategy, DeepSpeed stage): every strategy memory.predict models, as the sweep lists them.
 STRATEGIES = (("ddp", "ddp", 0), ("zero1", "zero1", 0), ("zero2", "zero2", 0), ("zero3", "zero3", 0),
@@ -118,20 +120,10 @@ class Planner:
 
     def peak(self, label: str, micro_batch: int, checkpointing: str) -> tuple[int, dict, str]:
         """(peak bytes, bytes by category at that moment, the moment: backward | step)."""
-        pred = self.states[label]
-        states = pred.bytes()
         acts = predict_activations(self.mcfg, micro_batch, self.seq, self.precision, self.device,
                                    checkpointing=checkpointing, every_k=self.every_k)
-        b, s, c = micro_batch, self.seq, COMPUTE_BYTES[self.precision]
-        logits = 8 * b * s * self.mcfg.vocab_size
-        recompute = acts.layer_bytes - b * s * self.mcfg.n_embd * c if checkpointing != "none" else 0
-        comm_bwd = sum(t.bytes for t in pred.terms if t.category == "transient" and not step_only(t))
-        comm_step = sum(t.bytes for t in pred.terms if t.category == "transient" and step_only(t))
-        base = {k: states[k] for k in ("params", "grads", "master", "optim_state", "buffers")}
-        backward = {**base, "activations": acts.bytes, "transient": logits + recompute + comm_bwd}
-        step = {**base, "activations": 0, "transient": comm_step}
-        bwd_total, step_total = sum(backward.values()), sum(step.values())
-        return (bwd_total, backward, "backward") if bwd_total >= step_total else (step_total, step, "step")
+        pk = predicted_peak(self.states[label], acts, self.mcfg, micro_batch, self.seq, COMPUTE_BYTES[self.precision])
+        return pk.bytes, pk.categories, pk.phase
 
     def fit(self, label: str, budget: int, checkpointing: str) -> Fit:
         """The largest micro-batch whose peak is at most `budget` (peak grows with it: bisection)."""

@@ -158,6 +158,19 @@ def _rank_figures(run: Run, prefix: str) -> list[dict[str, float]]:
     return []
 
 
+PEAK_PARTS = ("model_states", "activations", "transient")
+
+
+def _rank_peaks(run: Run, prefix: str) -> list[dict[str, float]]:
+    """Per-rank step peak and its split (`rank{r}/<prefix>/peak_<part>_bytes`, zerolab.memory.peak)
+    from the last record that has them; prefix mem (measured) or mem_pred (predicted)."""
+    for m in reversed(run.metrics):
+        if f"rank0/{prefix}/peak_bytes" in m:
+            return [{"peak": m.get(f"rank{r}/{prefix}/peak_bytes"),
+                     **{p: m.get(f"rank{r}/{prefix}/peak_{p}_bytes") for p in PEAK_PARTS}} for r in range(run.world)]
+    return []
+
+
 def step_times(run: Run) -> list[float]:
     """Logged step times, the first step (warm-up) left out."""
     return [t for s, t in _series(run, "step_time_s") if s > 1] or [t for _, t in _series(run, "step_time_s")]
@@ -179,6 +192,7 @@ def compute_stats(run: Run) -> None:
     st["comm_theory"] = theory_bytes_per_step(n_params, GRAD_BYTES.get(run.precision, 4), run.world)
     st["mem"] = _rank_figures(run, "mem")
     st["mem_pred"] = _rank_figures(run, "mem_pred")
+    st["peak"], st["peak_pred"] = _rank_peaks(run, "mem"), _rank_peaks(run, "mem_pred")
     train = _series(run, "loss")
     st["final_loss"] = train[-1][1] if train else float("nan")
     ev = _series(run, "eval_loss")
@@ -556,6 +570,22 @@ def memory_table(runs: list[Run]) -> str:
     return "\n".join(lines)
 
 
+def peak_table(runs: list[Run]) -> str:
+    """The step's peak per rank, split into model states, activations and transient: measured
+    (zerolab's accounting; CPU) against predicted (the planner's composition), MiB."""
+    cell = lambda v: _mib(v) if isinstance(v, (int, float)) else "—"
+    lines = ["| run | rank | peak | model states | activations | transient | predicted peak (states / acts / "
+             "transient) | measured ÷ predicted |", "|---|---|---|---|---|---|---|---|"]
+    for r in runs:
+        for rank, got in enumerate(r.stats.get("peak", [])):
+            want = r.stats["peak_pred"][rank] if rank < len(r.stats.get("peak_pred", [])) else {}
+            ratio = f"{got['peak'] / want['peak']:.3f}" if want.get("peak") and got.get("peak") is not None else "—"
+            lines.append(f"| {r.label} | {rank} | {cell(got['peak'])} | " + " | ".join(cell(got[p]) for p in PEAK_PARTS)
+                         + f" | {cell(want.get('peak'))} (" + " / ".join(cell(want.get(p)) for p in PEAK_PARTS)
+                         + f") | {ratio} |")
+    return "\n".join(lines)
+
+
 # ---- the report ----------------------------------------------------------------------------
 def build_report(paths: list[str], out: str, baseline: Optional[str] = None, wandb_mode: str = "disabled") -> dict:
     dirs = find_run_dirs(paths)
@@ -610,7 +640,12 @@ def build_report(paths: list[str], out: str, baseline: Optional[str] = None, wan
           "excludes 1.0. With one round the interval holds only the spread between steps of each run, "
           "not a change of the machine's load between runs: run the sweep with hydra.launcher.rounds=2 "
           "(or more) to pool rounds in alternating order.\n", ttable,
-          "\n## Memory per rank (MiB)\n", mtable, "\n## Figures\n"]
+          "\n## Memory per rank (MiB)\n", mtable,
+          "\n## Peak memory of a step per rank (MiB)\n",
+          "Measured: the model states the strategy holds + the activations saved for backward (measured) + the "
+          "transients of the same moment (the loss's logits buffers, a recomputed block with checkpointing, the "
+          "buffers the strategy recorded); predicted: the planner's composition for the run (zerolab/memory/peak.py).\n",
+          peak_table(runs), "\n## Figures\n"]
     md += [f"![{k}]({p.name})" for k, p in figures.items()]
     md += ["\n## Runs\n"] + [f"- {r.label}: `{r.path}`" + "".join(f", `{x.path}`" for x in r.repeats) for r in runs]
     (out_dir / "report.md").write_text("\n".join(md) + "\n")

@@ -30,6 +30,8 @@ from zerolab.digest import write_digest
 from zerolab.errors import ZerolabError, debug_enabled, report
 from zerolab.fault import FaultInjector, ProgressBoard, RankStopped
 from zerolab.memory import check_against, ledger_for_run, process_memory, process_summary
+from zerolab.memory import check_peak, peak_for_run, peak_keys, peak_of, recompute_bytes
+from zerolab.memory.peak import LOGIT_BUFFER_BYTES
 from zerolab.metrics import MetricsSink, Progress
 from zerolab.models import MODELS, build_model, count_params, lm_loss, param_groups
 from zerolab.optim import build_optimizer
@@ -135,9 +137,18 @@ class Trainer:
         self.start_step = 0
         self.activations_bytes = 0  # saved for backward by the last measured forward (this rank)
         # ... and what zerolab.activations predicts for it (zerolab's own models only)
-        self.activations_pred = predict_activations(
+        act_prediction = predict_activations(
             cfg.model, cfg.data.micro_batch, precision=cfg.precision.name, device=ctx.device.type
-        ).bytes if isinstance(model, tuple(MODELS.values())) else None
+        ) if isinstance(model, tuple(MODELS.values())) else None
+        self.activations_pred = act_prediction.bytes if act_prediction else None
+        # Peak accounting (zerolab.memory.peak): the predicted peak per rank, and the bytes of one
+        # recomputed checkpointed block (a formula, not measured: the meter sees the forward only).
+        self.peak_pred = peak_for_run(self.mem_pred, act_prediction, cfg.model, cfg.data.micro_batch,
+                                      cfg.model.block_size, cfg.precision.name)
+        self.recompute_bytes = recompute_bytes(act_prediction, cfg.data.micro_batch, cfg.model.block_size,
+                                               getattr(cfg.model, "n_embd", 0), self.precision.compute_dtype.itemsize
+                                               ) if act_prediction else 0
+        self.logits_numel, self.peak_check = 0, {}
         self.fault = FaultInjector(cfg.fault, ctx.rank, ctx.world_size)
         self.progress = ProgressBoard(ctx.rank, ctx.world_size, ctx.store, cfg.dist.timeout_s)  # names a rank that stops
         self.checkpointer = Checkpointer(cfg, ctx, self.run_dir, model_layout(model), self.strategy)
@@ -173,6 +184,9 @@ class Trainer:
         losses = []
         board, fault = self.progress, self.fault  # where this rank is, for naming a rank that stops
         logged = self.logs_step(step)
+        getattr(self.strategy, "reset_transient_peak", lambda: None)()  # peak accounting: a new step
+        if logged and self.ctx.device.type == "cuda":  # CUDA: the allocator's peak of this step (untested here)
+            torch.cuda.reset_peak_memory_stats(self.ctx.device)
         for micro in range(accum):
             batch = self.data.train_batch(self.sampler, step, self.ctx.rank, micro, self.ctx.device)
             # Only the last micro-batch communicates (DDP's no_sync; ZeRO-2 keeps reducing).
@@ -182,9 +196,11 @@ class Trainer:
                 # Bytes saved for backward, measured on logged steps only (hooks cost nothing otherwise);
                 # every micro-batch has the same shapes, so the first one stands for all.
                 with ActivationMeter(self.model, enabled=logged and micro == 0) as meter:
-                    loss = lm_loss(self.model(batch.x), batch.y)
+                    logits = self.model(batch.x)
+                    loss = lm_loss(logits, batch.y)
                 if meter.enabled:
-                    self.activations_bytes = meter.bytes
+                    self.activations_bytes, self.logits_numel = meter.bytes, logits.numel()
+                del logits
                 scaled = loss / accum
                 if micro == accum - 1 and self._inject_inf(step):
                     # fault.inf_grad_step: this rank's last backward carries inf, so its gradients
@@ -216,8 +232,24 @@ class Trainer:
         """This rank's memory and communication figures, to be gathered on rank 0."""
         out = {f"mem/{k}_bytes": v for k, v in self.strategy.memory().items()}
         out["mem/activations_bytes"] = self.activations_bytes  # zerolab.activations.ActivationMeter
+        out.update(self.peak_figures(out))
         out.update(process_memory(self.ctx.device))
         out["comm_bytes"] = comm.get("total", 0.0)
+        return out
+
+    def peak_figures(self, figures: dict) -> dict:
+        """This step's peak by zerolab's own accounting (zerolab.memory.peak): the model states
+        strategy.memory() measured, the activations the meter measured, and the transients: the
+        loss's logits buffers (8 bytes × the logits' measured numel), one recomputed block with
+        checkpointing (formula) and what the strategy recorded (transient_peak_bytes)."""
+        tp = getattr(self.strategy, "transient_peak_bytes", lambda: {})()
+        states = {k[len("mem/"):-len("_bytes")]: v for k, v in figures.items() if k.startswith("mem/")}
+        pk = peak_of(states, self.activations_bytes,
+                     LOGIT_BUFFER_BYTES * self.logits_numel + self.recompute_bytes + tp.get("backward", 0), tp.get("step", 0))
+        out = {"mem/peak_bytes": pk.bytes, "mem/peak_phase": pk.phase,
+               **{f"mem/peak_{k}_bytes": v for k, v in pk.parts.items()}}
+        if self.ctx.device.type == "cuda":  # CUDA: the allocator's own peak of this step (untested here)
+            out["mem/peak_cuda_allocated_bytes"] = torch.cuda.max_memory_allocated(self.ctx.device)
         return out
 
     # ---- the loop ----------------------------------------------------------------------------
@@ -256,6 +288,10 @@ class Trainer:
                     record.update({f"rank{r}/{k}": v for k, v in figures.items()})
                     if self.activations_pred is not None:
                         record[f"rank{r}/mem_pred/activations_bytes"] = self.activations_pred
+                record.update(peak_keys(self.peak_pred))  # rank{r}/mem_pred/peak_*_bytes
+                if not self.peak_check and not info.skipped:  # the first logged update: the activations and peak against prediction
+                    self.peak_check = check_peak(self.peak_pred, [self.activations_pred] * ctx.world_size
+                                                 if self.activations_pred else None, per_rank, warn=ctx.is_main)
                 if not self.mem_check and not info.skipped:  # first real update: optimizer state exists
                     pred_keys, self.mem_check = check_against(self.mem_pred, per_rank, warn=ctx.is_main)
                     record.update(pred_keys)
@@ -348,7 +384,7 @@ class Trainer:
             "peak_memory_per_rank": [{k: v for k, v in r.items() if "peak" in k or "max" in k} for r in per_rank],
             "memory_per_rank": [{k: v for k, v in r.items() if k.startswith("mem/")} for r in per_rank],
             "memory_ledger": {**self.mem_check, "process_per_rank": process_summary(per_rank),
-                              "activations_predicted_bytes": self.activations_pred},
+                              "activations_predicted_bytes": self.activations_pred, "peak": self.peak_check},
             "run_dir": self.run_dir, "metrics": self.metrics.path, "eval_digest": None,
         }
         error = self.skipped_error(skipped, steps_run)

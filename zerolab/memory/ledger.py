@@ -1,13 +1,16 @@
 """The ledger in every run: this run's prediction (one per rank), held against what each rank's
-strategy measured (Strategy.memory()) at the first optimizer step; and each rank's process-level
-figures."""
+strategy measured (Strategy.memory()) at the first optimizer step; the step's predicted peak and
+activations (peak_for_run) held against the trainer's accounting of them (check_peak); and each
+rank's process-level figures."""
 from __future__ import annotations
 
 import logging
 
+from zerolab.memory.peak import PEAK_WARN_RATIO, Peak, predicted_peak
 from zerolab.memory.prediction import Prediction, predict
 from zerolab.memory.shapes import optimizer_state_elements, shape_from_model, shape_from_model_config
 from zerolab.memory.storage import CATEGORIES, MODEL_STATES
+from zerolab.precision import COMPUTE_BYTES
 from zerolab.strategies import memory_model
 
 log = logging.getLogger("zerolab.memory")  # the name users filter the ledger's warnings by
@@ -74,3 +77,52 @@ PROCESS_KEYS = ("rss_bytes", "rss_peak_bytes", "cuda_allocated_bytes", "cuda_max
 def process_summary(per_rank: list[dict]) -> list[dict]:
     """The process-level figures of each rank (RSS on CPU; allocator peaks, retries, OOMs on CUDA)."""
     return [{k: r[k] for k in PROCESS_KEYS if k in r} for r in per_rank]
+
+
+# ---- the step's peak (zerolab.memory.peak): activations and peak rows of this run's ledger -------
+def peak_for_run(preds: list[Prediction] | None, act_pred, mcfg, micro_batch: int, seq: int,
+                 precision: str) -> list[Peak] | None:
+    """The predicted peak per rank for this run (the planner's composition, zerolab.memory.peak),
+    from the ledger's model-state prediction and zerolab.activations' prediction; None where
+    either is missing (a strategy the ledger does not model, a model that is not zerolab's)."""
+    if not preds or act_pred is None:
+        return None
+    return [predicted_peak(p, act_pred, mcfg, micro_batch, seq, COMPUTE_BYTES[precision]) for p in preds]
+
+
+def peak_keys(peaks: list[Peak] | None) -> dict:
+    """Metrics keys `rank{r}/mem_pred/peak_bytes` and `rank{r}/mem_pred/peak_<part>_bytes` (PARTS)
+    of the predicted peak (the predicted activations have their own key, mem_pred/activations_bytes)."""
+    keys = {}
+    for r, pk in enumerate(peaks or []):
+        keys[f"rank{r}/mem_pred/peak_bytes"] = pk.bytes
+        keys.update({f"rank{r}/mem_pred/peak_{k}_bytes": v for k, v in pk.parts.items()})
+    return keys
+
+
+def check_peak(peaks: list[Peak] | None, act_bytes: list[int] | None, per_rank: list[dict],
+               warn: bool = True) -> dict:
+    """Hold each rank's measured `mem/activations_bytes` and `mem/peak_bytes` (the trainer's
+    accounting) against the predicted ones; a warning for each measured above predicted by
+    more than PEAK_WARN_RATIO. Returns the summary section."""
+    if not peaks:
+        return {"predicted": None}
+    rows, warnings = [], []
+    for r, figures in enumerate(per_rank):
+        row = {"predicted_peak_bytes": peaks[r].bytes, "predicted_phase": peaks[r].phase,
+               "measured_peak_bytes": figures.get("mem/peak_bytes"), "measured_phase": figures.get("mem/peak_phase"),
+               "predicted_activations_bytes": act_bytes[r] if act_bytes else None,
+               "measured_activations_bytes": figures.get("mem/activations_bytes")}
+        for what in ("peak", "activations"):
+            measured, predicted = row[f"measured_{what}_bytes"], row[f"predicted_{what}_bytes"]
+            if measured is None or not predicted:
+                continue
+            row[f"{what}_measured_over_predicted"] = measured / predicted
+            if measured > predicted * PEAK_WARN_RATIO:
+                msg = (f"rank {r}: measured {what} = {measured:,} bytes exceeds the prediction {predicted:,} by "
+                       f"more than {100 * (PEAK_WARN_RATIO - 1):.0f}%")
+                warnings.append(msg)
+                if warn:
+                    log.warning("memory ledger: %s", msg)
+        rows.append(row)
+    return {"per_rank": rows, "warnings": warnings, "warn_ratio": PEAK_WARN_RATIO}

@@ -18,6 +18,7 @@ from zerolab.memory.prediction import MIXED, dtype_name
 from zerolab.precision import COMPUTE_BYTES
 from zerolab.precision import MasterCopy
 from zerolab.strategies.base import OptimizerFactory, ShardPiece, StepInfo, Strategy
+from zerolab.strategies.transient import TransientPeak
 
 
 def _counting_allreduce(state, bucket):
@@ -27,7 +28,7 @@ def _counting_allreduce(state, bucket):
     return default_hooks.allreduce_hook(group, bucket)
 
 
-class DDPStrategy(Strategy):
+class DDPStrategy(TransientPeak, Strategy):
     name = "ddp"
 
     def setup(self, model: nn.Module, param_groups: list[dict], make_optimizer: OptimizerFactory) -> nn.Module:
@@ -58,6 +59,10 @@ class DDPStrategy(Strategy):
         self.set_lr(lr)
         if self.master:
             self.master.grads_to_master()
+            # transient (peak accounting): the fp32 gradient copies live until the update is done.
+            # DDP's reducer buckets are the gradients themselves (gradient_as_bucket_view): no more.
+            copies = sum(m.grad.untyped_storage().nbytes() for m in self.master.master if m.grad is not None)
+            self._transient_alloc(copies, "step")
         grads = [p.grad for p in self._optimizer_params() if p.grad is not None]
         info = self.unscale_clip_update(grads)
         if self.master:
@@ -65,6 +70,7 @@ class DDPStrategy(Strategy):
                 self.master.master_to_model()
             for m in self.master.master:
                 m.grad = None  # the fp32 grad copy is transient
+            self._transient_free(copies)
         # Zero in place (not set_to_none): the grads are views of DDP's buckets, which stay
         # allocated anyway, so keeping the views makes the ledger see them.
         for p in self.params:

@@ -46,6 +46,7 @@ from zerolab.memory.prediction import MIXED, dtype_name, fmt_n
 from zerolab.optim.segments import Segment
 from zerolab.precision import COMPUTE_BYTES
 from zerolab.strategies.base import OptimizerFactory, ShardPiece, StepInfo, Strategy
+from zerolab.strategies.transient import TransientPeak
 
 
 @dataclass
@@ -72,7 +73,7 @@ class FlatGroup:
     names: list[str] = field(default_factory=list)
 
 
-class ZeroStrategy(Strategy):
+class ZeroStrategy(TransientPeak, Strategy):
     stage = 1
     sharded_grads = True
 
@@ -100,6 +101,7 @@ class ZeroStrategy(Strategy):
         # buckets of its own parameters just before its forward, so the next forward overlaps them.
         # (This assumes a parameter is used by the module that owns it, as in torch.nn layers.)
         self.gathers: dict[int, tuple] = {}  # bucket index -> (work, input chunk)
+        self._gather_input_bytes: dict[int, int] = {}  # bucket index -> bytes of a copied input chunk (peak accounting)
         self.bucket_index = {id(b): i for i, b in enumerate(self.buckets)}
         for module in model.modules():
             # Frozen parameters (requires_grad=False) are in no param group, hence in no bucket:
@@ -197,6 +199,7 @@ class ZeroStrategy(Strategy):
         if self.stage == 2:
             if b.comm_buf is None:
                 b.comm_buf = torch.zeros(b.size, dtype=self.reduce_dtype, device=p.device)
+                self._transient_alloc(b.comm_buf.untyped_storage().nbytes(), "backward")
             off = self.offset_of[id(p)]
             # copy and average in one pass (DDP also divides before summing)
             torch.div(p.grad.view(-1), self.world, out=b.comm_buf[off:off + p.numel()])
@@ -209,7 +212,7 @@ class ZeroStrategy(Strategy):
         while self.next_launch < len(self.buckets):
             b = self.buckets[self.next_launch]
             if not flush and b.arrived < len(b.params):
-                return
+                break  # (not return: the drain below must run, or nothing is freed before backward ends)
             self._reduce_scatter(b)
             self.next_launch += 1
         # Free finished buckets while backward goes on, so zero2 never holds a whole gradient;
@@ -220,11 +223,15 @@ class ZeroStrategy(Strategy):
         if self.stage == 1:
             buf = b.flat_grads if self.reduce_dtype == b.flat_grads.dtype else b.flat_grads.to(self.reduce_dtype)
             buf.div_(self.world)  # average before summing, as DDP does: same rounding in 16 bits
+            if buf is not b.flat_grads:  # a reduce_dtype copy (peak accounting)
+                self._transient_alloc(buf.untyped_storage().nbytes(), "backward")
         else:
             if b.comm_buf is None:  # no parameter of this bucket got a gradient
                 b.comm_buf = torch.zeros(b.size, dtype=self.reduce_dtype, device=self.ctx.device)
+                self._transient_alloc(b.comm_buf.untyped_storage().nbytes(), "backward")
             buf = b.comm_buf  # already averaged by _grad_ready
         out = torch.empty(b.chunk, dtype=buf.dtype, device=buf.device)
+        self._transient_alloc(out.untyped_storage().nbytes(), "backward")
         self.comm.record("reduce_scatter", buf)
         work = dist.reduce_scatter_single(out, buf, async_op=True)
         self.pending.append((work, out, b, buf))
@@ -235,9 +242,11 @@ class ZeroStrategy(Strategy):
         owns its own region of the shard, and a bucket's micro-batches are always collected in
         launch order, so the sums do not depend on when this runs.)"""
         while self.pending and (block or self.pending[0][0].is_completed()):
-            work, out, b, _ = self.pending.popleft()
+            work, out, b, buf = self.pending.popleft()
             work.wait()
             self.groups[b.group].master.grad[b.shard_pos:b.shard_pos + b.chunk].add_(out)
+            self._transient_free(out.untyped_storage().nbytes()
+                                 + (buf.untyped_storage().nbytes() if buf is not b.flat_grads else 0))
             b.comm_buf = None  # zero2: the bucket's memory goes back to the allocator
 
     def backward(self, loss: torch.Tensor) -> None:
@@ -271,6 +280,9 @@ class ZeroStrategy(Strategy):
         for i in reversed(range(len(self.buckets))):
             b = self.buckets[i]
             chunk = self.groups[b.group].master[b.shard_pos:b.shard_pos + b.chunk].to(b.flat_params.dtype)
+            if chunk.dtype != self.groups[b.group].master.dtype:  # a 16-bit copy, alive until waited for
+                self._gather_input_bytes[i] = chunk.untyped_storage().nbytes()
+                self._transient_alloc(self._gather_input_bytes[i], "step")
             self.comm.record("all_gather", b.flat_params)
             self.gathers[i] = (dist.all_gather_single(b.flat_params, chunk, async_op=True), chunk)
         if wait:
@@ -281,6 +293,7 @@ class ZeroStrategy(Strategy):
             entry = self.gathers.pop(i, None)
             if entry is not None:
                 entry[0].wait()
+                self._transient_free(self._gather_input_bytes.pop(i, 0))
 
     # ---- introspection ------------------------------------------------------------------------
     def describe_nonfinite(self) -> str:
@@ -392,12 +405,18 @@ class ZeroStrategy(Strategy):
         p.add("optim_state", shard * k * s, f"optimizer state of the shard: {fmt_n(shard)} × {k:g} × {s}")
         rb = 4 if reduce_dtype == "fp32" else c
         if cls.stage == 2:
-            p.add("transient", min(len(sizes), 1 + MAX_IN_FLIGHT) * max(sizes) * rb,
+            # backward waits once more than MAX_IN_FLIGHT are in flight, i.e. after launching one more
+            p.add("transient", min(len(sizes), 2 + MAX_IN_FLIGHT) * max(sizes) * rb,
                   "gradient buckets copied for reduce-scatter, freed as each finishes during backward "
-                  f"(at most MAX_IN_FLIGHT = {MAX_IN_FLIGHT} in flight plus the one filling)")
+                  f"(at most MAX_IN_FLIGHT + 1 = {MAX_IN_FLIGHT + 1} in flight plus the one filling)")
         elif rb != c:
             p.add("transient", max(sizes) * rb, "fp32 copy of a bucket for reduce-scatter (strategy.reduce_dtype=fp32)")
-        p.add("transient", max(sizes) // N * (4 + rb), "reduce-scatter output / all-gather input chunk of one bucket")
+        in_flight = min(len(sizes), 1 + MAX_IN_FLIGHT)  # the drain runs after a launch past MAX_IN_FLIGHT
+        p.add("transient", in_flight * (max(sizes) // N) * rb,
+              f"reduce-scatter outputs (one chunk per bucket) of the {in_flight} bucket(s) in flight during backward")
+        if precision in MIXED:  # fp32 and bf16_pure all-gather straight from the shard (a view)
+            p.add("transient", shard * c, f"{dt} copies of the owned chunks, the all-gather inputs of every bucket "
+                                          f"from the optimizer step to the next forward: {fmt_n(shard)} × {c}", when="step")
         if shape.buffer_bytes:
             p.add("buffers", shape.buffer_bytes, "model buffers")
         paper = "4Ψ + KΨ/N" if cls.stage == 1 else "2Ψ + (2 + K)Ψ/N"

@@ -130,6 +130,7 @@ class Zero3Strategy(ZeroStrategy):
         self.next_launch = 0
         self.sync = True  # zero2's path: never False, every micro-batch reduces
         self.gathers: dict[int, tuple] = {}  # all-gathers in flight: bucket index -> (work, input chunk)
+        self._gather_input_bytes: dict[int, int] = {}  # zero.py's; stays empty: the inputs are the persistent chunks
         self.live: set[int] = set()  # buckets whose full buffer exists (gathered or in flight)
         for unit in self.units:
             for p in unit.params:
@@ -191,6 +192,8 @@ class Zero3Strategy(ZeroStrategy):
                 continue
             b = self.buckets[i]
             b.flat_params.untyped_storage().resize_(b.size * b.flat_params.element_size())
+            # gathered weights are transient (peak accounting): forward or backward, until freed
+            self._transient_alloc(b.size * b.flat_params.element_size(), "backward")
             chunk = self._chunk(b)
             self.comm.record("all_gather", b.flat_params)
             self.gathers[i] = (dist.all_gather_single(b.flat_params, chunk, async_op=True), chunk)
@@ -198,6 +201,8 @@ class Zero3Strategy(ZeroStrategy):
 
     def _free_bucket(self, i: int) -> None:
         self._wait_gathers([i])  # never take memory from under a collective still writing it
+        if i in self.live:
+            self._transient_free(self.buckets[i].flat_params.untyped_storage().nbytes())
         self.buckets[i].flat_params.untyped_storage().resize_(0)
         self.live.discard(i)
 
@@ -326,9 +331,11 @@ class Zero3Strategy(ZeroStrategy):
               f"gathered buckets during forward/backward (the running unit, the root and a prefetch: at most "
               f"MAX_LIVE_BUCKETS = {MAX_LIVE_BUCKETS}, bounded by the largest ones; every unit at the end of "
               "forward with strategy.reshard_after_forward=false)")
-        p.add("transient", sum(largest[:1 + MAX_IN_FLIGHT]) * rb,
-              f"gradient buckets copied for reduce-scatter (at most MAX_IN_FLIGHT = {MAX_IN_FLIGHT} in flight plus "
-              "the one filling)")
+        p.add("transient", sum(largest[:2 + MAX_IN_FLIGHT]) * rb,
+              f"gradient buckets copied for reduce-scatter (at most MAX_IN_FLIGHT + 1 = {MAX_IN_FLIGHT + 1} in flight "
+              "plus the one filling)")
+        p.add("transient", sum(largest[:1 + MAX_IN_FLIGHT]) // N * rb,
+              "reduce-scatter outputs (one chunk per bucket) of the buckets in flight during backward")
         if shape.buffer_bytes:
             p.add("buffers", shape.buffer_bytes, "model buffers")
         why = []
