@@ -39,11 +39,14 @@ def verify(path: str, checksums: bool = True) -> dict:
             raise CheckpointError(f"{full}: sha256 does not match the one recorded in {META}: corrupt")
         if not fname.endswith(".safetensors"):
             check_torch_file(full, allowed, owner)  # torch.save files: refused before anything opens them
-    if meta["checkpoint_format"] == "native":  # native loaders find files by pattern: no unrecorded ones
-        for root, _, names in os.walk(path):
+    # A native loader finds its files by name pattern in the directories they are in: no file
+    # there may be unrecorded. (Format 2 left DeepSpeed's unrecorded script at the top level.)
+    native_dirs = {f.split("/")[0] for f, info in meta["files"].items() if info.get("rank") is None and "/" in f}
+    for top in sorted(native_dirs):
+        for root, _, names in os.walk(os.path.join(path, top)):
             for n in names:
                 rel = os.path.relpath(os.path.join(root, n), path)
-                if rel != META and rel not in meta["files"]:
+                if rel not in meta["files"]:
                     raise CheckpointError(f"{os.path.join(path, rel)} is not recorded in {META}: the checkpoint was "
                                           f"changed after it was written; remove that file or the checkpoint")
     return meta

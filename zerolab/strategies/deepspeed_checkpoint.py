@@ -33,7 +33,14 @@ class DeepSpeedCheckpointing:
     checkpoint_globals = DEEPSPEED_GLOBALS
 
     def save_native(self, directory: str) -> None:
+        import os
+
         self.engine.save_checkpoint(directory, tag=DS_TAG, save_latest=False)
+        # DeepSpeed's rank 0 also copies its zero_to_fp32.py script beside the tag. A checkpoint is
+        # data, never code (export runs the installed DeepSpeed's consolidation): it goes.
+        script = os.path.join(directory, "zero_to_fp32.py")
+        if os.path.exists(script):
+            os.remove(script)
 
     def native_meta(self) -> dict:
         import deepspeed
