@@ -36,11 +36,12 @@ class DeepSpeedCheckpointing:
         import os
 
         self.engine.save_checkpoint(directory, tag=DS_TAG, save_latest=False)
-        # DeepSpeed's rank 0 also copies its zero_to_fp32.py script beside the tag. A checkpoint is
-        # data, never code (export runs the installed DeepSpeed's consolidation): it goes.
-        script = os.path.join(directory, "zero_to_fp32.py")
-        if os.path.exists(script):
-            os.remove(script)
+        # DeepSpeed's rank 0 also copies its recovery scripts (zero_to_fp32.py, zero_to_torch.py)
+        # beside the tag. A checkpoint is data, never code (export runs the installed DeepSpeed's
+        # consolidation): they go. Only *.py: other ranks may be writing their rank files already.
+        for name in os.listdir(directory):
+            if name.endswith(".py") and os.path.isfile(os.path.join(directory, name)):
+                os.remove(os.path.join(directory, name))
 
     def native_meta(self) -> dict:
         import deepspeed
