@@ -23,7 +23,7 @@ def test_deepspeed_resume_export_import(tmp_path, deepspeed_ops):
     run_train(a, 2, *COMMON, *DS, f"checkpoint.every={K}")
     step_k = a / "checkpoints" / f"step_{K:08d}"
     meta = json.loads((step_k / "meta.json").read_text())
-    assert meta["strategy"] == "deepspeed" and meta["deepspeed"]["stage"] == 2
+    assert meta["strategy"] == "deepspeed" and meta["checkpoint_format"] == "native" and meta["native"]["stage"] == 2
     assert any(f.startswith("deepspeed/") and f.endswith("optim_states.pt") for f in meta["files"])  # checksummed
 
     # 1. Exact resume through engine.load_checkpoint.
@@ -51,6 +51,24 @@ def test_deepspeed_resume_export_import(tmp_path, deepspeed_ops):
     strategy.ctx = type("Ctx", (), {"world_size": 3})()
     with pytest.raises(CheckpointError, match=r"DeepSpeed stage-2 checkpoint of 2 ranks loads only into.*--as-checkpoint"):
         _check_compatible(verify(str(step_k)), str(step_k), cfg, strategy, model_layout(build_model(cfg.model, "meta")))
+
+    # 3b. As format 2 wrote it (no checkpoint_format; DeepSpeed's record under "deepspeed"): still
+    # the native format, refused elsewhere with the same advice, exported the same.
+    import shutil
+
+    from zerolab.checkpoint import export, meta_text
+
+    v2 = tmp_path / "v2" / step_k.name
+    shutil.copytree(step_k, v2)
+    old = {k: v for k, v in meta.items() if k not in ("checkpoint_format", "native", "meta_sha256")}
+    (v2 / "meta.json").write_text(meta_text({**old, "format_version": 2, "deepspeed": meta["native"]}))
+    assert verify(str(v2))["checkpoint_format"] == "native"
+    with pytest.raises(CheckpointError, match=r"DeepSpeed stage-2 checkpoint of 2 ranks loads only into"):
+        _check_compatible(verify(str(v2)), str(v2), cfg, strategy, model_layout(build_model(cfg.model, "meta")))
+    export(str(v2), str(tmp_path / "v2.safetensors"))
+    export(str(step_k), str(tmp_path / "v3.safetensors"))
+    w2, w3 = load_file(str(tmp_path / "v2.safetensors")), load_file(str(tmp_path / "v3.safetensors"))
+    assert w2.keys() == w3.keys() and all(torch.equal(w2[k], w3[k]) for k in w3)
 
     # 4. Import its weights as a zerolab checkpoint; zero2 on 3 ranks continues from it.
     imported = tmp_path / "imported"

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import logging
 import os
 import typing
 from dataclasses import dataclass, field
@@ -20,6 +21,9 @@ from typing import Any, Dict, Iterable, List, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
+
+
+log = logging.getLogger("zerolab")
 
 
 class ConfigError(ValueError):
@@ -364,7 +368,32 @@ def validate(cfg: DictConfig | Config, world_size: Optional[int] = None) -> Conf
                 f"= {d.micro_batch} × {world} = {per_step}; pick a multiple of {per_step} "
                 f"(e.g. {per_step * max(1, d.global_batch // per_step)}) or change data.micro_batch")
         t.grad_accum_steps = d.global_batch // per_step
+    warn_unused_settings(cfg)
     return cfg
+
+
+_warned: set = set()  # (strategy, key, value) already warned about in this process
+
+
+def warn_unused_settings(cfg: Config) -> list[str]:
+    """One warning per setting that has no effect under the chosen strategy (see
+    zerolab.strategies.unused_settings), from the first process of a job only (RANK 0 or unset),
+    and once per process however often the config is validated. Returns the messages logged."""
+    from zerolab.strategies import unused_settings
+
+    if os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) != "0":
+        return []
+    said = []
+    for key, value, default in unused_settings(cfg):
+        seen = (cfg.strategy.name, key, repr(value))
+        if seen in _warned:
+            continue
+        _warned.add(seen)
+        msg = (f"{key}={value!r} has no effect under strategy={cfg.strategy.name} (it does not read this "
+               f"setting; default {default!r}); remove it, or pick a strategy that uses it")
+        log.warning(msg)
+        said.append(msg)
+    return said
 
 
 def global_batch(cfg: Config, world_size: int) -> int:

@@ -24,6 +24,7 @@ from typing import Iterable, Optional
 import numpy as np
 import torch
 
+from zerolab.atomic import atomic_path
 from zerolab.config import ConfigError, DataConfig
 
 TOKEN_DTYPE = np.uint16
@@ -62,9 +63,8 @@ def prepare(sources: Iterable[str], out: str, max_bytes: Optional[int] = None) -
             break
     tokens = np.frombuffer(b"".join(chunks), dtype=np.uint8).astype(TOKEN_DTYPE)
     os.makedirs(os.path.dirname(os.path.abspath(out)) or ".", exist_ok=True)
-    tmp = f"{out}.tmp.{os.getpid()}"
-    tokens.tofile(tmp)
-    os.replace(tmp, out)  # atomic: concurrent ranks never see a half-written file
+    with atomic_path(out) as tmp:  # concurrent ranks never see a half-written file
+        tokens.tofile(tmp)
     return len(tokens)
 
 

@@ -4,7 +4,7 @@ Reads zerolab run directories (config.yaml, metrics.jsonl, summary.json, model.s
 given directly or found inside sweep directories — and writes report.md plus PNGs:
 
   loss.png       train loss (each run its own line style and markers), Δ against the baseline, eval loss
-  loss_diff.png  per-step train loss minus the baseline's (ddp unless --baseline)
+  loss_diff.png  per-step train loss minus the baseline's (the reference strategy unless --baseline)
   memory.png     per-rank measured bytes by category, stacked; the predicted ledger below each
   step_time.png  step time p50 / p95 / p99, and p50 ÷ baseline with its bootstrap interval
   comm.png       measured bytes sent per rank per step against 2Ψ(N−1)/N (zerolab.comm)
@@ -97,10 +97,18 @@ def load_run(path: Path) -> Run:
     return Run(path, cfg, read_jsonl(str(path / "metrics.jsonl")), summary)
 
 
+def _strategy_class(name: str):
+    """The run's strategy class (its label, known causes, whether it is the reference), or None
+    for a strategy this zerolab does not know (a run from another version)."""
+    from zerolab.strategies import REGISTRY, strategy_class
+
+    return strategy_class(name) if name in REGISTRY else None
+
+
 def label_runs(runs: list[Run]) -> None:
     for r in runs:
-        s = r.config.get("strategy", {})
-        r.label = r.strategy + (f"-s{s.get('stage')}" if r.strategy == "deepspeed" else "")
+        cls = _strategy_class(r.strategy)
+        r.label = cls.label(r.config.get("strategy", {})) if cls else r.strategy
     if len({r.precision for r in runs}) > 1:
         for r in runs:
             r.label += f"-{r.precision}"
@@ -231,11 +239,10 @@ def noise_elements(run: Run) -> Optional[dict]:
 def known_cause(run: Run, base: Run) -> str:
     """A cause zerolab knows for a real difference, or ''."""
     for r in (run, base):
-        s, opt = r.config.get("strategy", {}), r.config.get("optim", {}).get("name", "")
-        if r.strategy == "deepspeed" and int(s.get("stage", 0)) >= 1 and s.get("client_optimizer") \
-                and opt in ("lamb", "lars"):
-            return (f"{r.label}: DeepSpeed ZeRO stage {s.get('stage')} hands the client optimizer ({opt}) its "
-                    f"flat parameter groups, so the per-tensor trust ratios become one per group")
+        cls = _strategy_class(r.strategy)
+        cause = cls.known_cause(r.config) if cls else ""
+        if cause:
+            return f"{r.label}: {cause}"
     return ""
 
 
@@ -605,7 +612,7 @@ def build_report(paths: list[str], out: str, baseline: Optional[str] = None, wan
             raise ValueError(f"--baseline {baseline!r} matches no run; runs: {', '.join(r.label for r in runs)}")
         base = matches[0]
     else:
-        base = next((r for r in runs if r.strategy == "ddp"), runs[0])
+        base = next((r for r in runs if getattr(_strategy_class(r.strategy), "reference", False)), runs[0])
     for r in runs:
         r.stats["timing"] = bootstrap_ratio(r.stats["rounds"], base.stats["rounds"])
     par = {r.label: ({"status": "baseline"} if r is base else parity(r, base)) for r in runs}
@@ -719,7 +726,7 @@ def cli_main(argv: list[str]) -> int:
                                 description="compare zerolab runs: report.md + PNGs (loss, memory, time, comm, parity)")
     p.add_argument("paths", nargs="+", help="run directories and/or sweep directories")
     p.add_argument("--out", default="report", help="output directory (default: report/)")
-    p.add_argument("--baseline", default=None, help="label or strategy of the baseline run (default: ddp)")
+    p.add_argument("--baseline", default=None, help="label or strategy of the baseline run (default: the reference strategy's run)")
     p.add_argument("--wandb", default="runs", choices=["runs", "auto", "online", "offline", "disabled"],
                    help="log figures to wandb; 'runs' (default): as the runs were configured")
     p.add_argument("--fail-on-mismatch", action="store_true", help="exit 1 when a parity check fails")

@@ -7,7 +7,6 @@ through the protocol in zerolab/strategies/base.py.
 """
 from __future__ import annotations
 
-import json
 import logging
 import os
 import statistics
@@ -24,7 +23,8 @@ from zerolab import dist as zdist
 from zerolab import runlock
 from zerolab.activations import ActivationMeter, predict_activations
 from zerolab.config import Config, ConfigError, global_batch, to_dict, validate
-from zerolab.checkpoint import Checkpointer, _writes_checkpoints, model_layout
+from zerolab.atomic import atomic_path, atomic_write_json
+from zerolab.checkpoint import Checkpointer, model_layout
 from zerolab.data import WindowSampler, build_data, check_data
 from zerolab.digest import write_digest
 from zerolab.errors import ZerolabError, debug_enabled, report
@@ -212,10 +212,10 @@ class Trainer:
             losses.append(loss.detach())
         # Optimizer statistics cost norms and a device sync: only on steps that are logged.
         every = self.cfg.logging.layer_stats_every
-        self.strategy.stats_level = 0 if not logged else 2 if every and (step + 1) % every == 0 else 1
+        stats_level = 0 if not logged else 2 if every and (step + 1) % every == 0 else 1
         board.at(step, "optimizer")
         fault.in_phase(step, "optimizer")
-        info = self.strategy.step(lr)
+        info = self.strategy.step(lr, stats_level)
         # The mean loss stays a tensor: reading it (a device sync on CUDA) only on logged steps.
         return torch.stack(losses).mean(), lr, info
 
@@ -326,7 +326,7 @@ class Trainer:
         cfg, ctx = self.cfg, self.ctx
         why = StopRequest.signal_name or "a stop signal received by another rank"
         path = saved
-        if path is None and _writes_checkpoints(self.strategy):
+        if path is None and self.strategy.checkpoint_format != "none":
             self.progress.at(done - 1, "checkpoint")
             path = self.checkpointer.save(done, self.strategy, self.schedule, self.sampler)
         elif path is None:
@@ -396,8 +396,8 @@ class Trainer:
                 from safetensors.torch import save_file
 
                 path = os.path.join(self.run_dir, "model.safetensors")
-                save_file(weights, path + ".tmp")
-                os.replace(path + ".tmp", path)
+                with atomic_path(path) as tmp:
+                    save_file(weights, tmp)
                 summary["weights"] = path
             write_json(summary_path, summary)
         try:  # everything after this point evaluates the model: it may fail, the weights are safe
@@ -430,14 +430,7 @@ class Trainer:
         return summary
 
 
-def write_json(path: str, obj) -> None:
-    """Atomic JSON write: readers see the old file or the new one, never half of one."""
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as fh:
-        json.dump(obj, fh, indent=2, default=str)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+write_json = atomic_write_json  # readers see the old file or the new one, never half of one
 
 
 def stop_now(err: BaseException) -> None:

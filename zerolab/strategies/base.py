@@ -55,14 +55,32 @@ class StepInfo:
 
 
 class Strategy(MemoryModel, abc.ABC):  # MemoryModel: predict_memory and what the ledger asks
+    """What a strategy is (class attributes, read without building one) and what it does (methods)."""
     name: str = "?"
     sharded_grads: bool = False  # True when each rank holds only part of the gradient
+    # The strategy the others are compared against (report baseline; an imported checkpoint is
+    # recorded as written by it on one rank). Exactly one registered strategy sets it.
+    reference: bool = False
+    # Settings (dotted config keys) this strategy reads among those that only some strategies
+    # read: every strategy.* key but `name`, and STRATEGY_DEPENDENT. Validation warns when one it
+    # does not read is set away from its default (zerolab.strategies.unused_settings).
+    uses: frozenset = frozenset({"trainer.nonfinite"})  # unscale_clip_update honours it
+    # How it checkpoints:
+    #   "pieces": zerolab's name-keyed, reshardable pieces (checkpoint_state / load_checkpoint_state);
+    #             a checkpoint of N ranks of one such strategy loads into M ranks of any other.
+    #   "native": its own files (save_native / native_meta / load_native, and the classmethods
+    #             native_meta_problem / check_native_compatible / native_weights, plus
+    #             checkpoint_globals for its torch.save files); loads only into itself.
+    #   "none":   cannot checkpoint (checkpoint.every is refused at setup; a preempted run stops
+    #             without a checkpoint).
+    checkpoint_format: str = "none"
+    checkpoint_globals: tuple = ()  # "native": pickle globals its torch.save files may name
 
     def __init__(self, cfg: Config, ctx: DistContext, precision: Precision):
         self.cfg, self.ctx, self.precision = cfg, ctx, precision
         self.comm = CommCounter(ctx.world_size)
         self.optimizer: Optional[torch.optim.Optimizer] = None
-        self.step_count = 0
+        self.step_count = 0  # optimizer steps taken (skipped ones included); restore_step sets it on resume
 
     # ---- protocol -------------------------------------------------------------------------
     @abc.abstractmethod
@@ -82,8 +100,12 @@ class Strategy(MemoryModel, abc.ABC):  # MemoryModel: predict_memory and what th
         (loss * scaler.scale if scaler.enabled else loss).backward()
 
     @abc.abstractmethod
-    def step(self, lr: float) -> StepInfo:
-        """Finish gradient reduction, unscale, clip by global norm, update, zero gradients."""
+    def step(self, lr: float, stats_level: int = 0) -> StepInfo:
+        """Finish gradient reduction, unscale, clip by global norm, update, zero gradients; count
+        the step (step_count += 1, skipped or not). `stats_level`: what to measure about the
+        update, 0 = nothing (the hot path: no timing sync, no norms), 1 = optimizer step time,
+        global update-to-weight ratio, trust-ratio min/median/max, 2 = also the update-to-weight
+        ratio of every tensor (in StepInfo.extra). A strategy may measure less than asked."""
 
     @abc.abstractmethod
     def memory(self) -> dict[str, int]:
@@ -94,29 +116,80 @@ class Strategy(MemoryModel, abc.ABC):  # MemoryModel: predict_memory and what th
         """Full fp32 weights keyed like model.state_dict() on rank 0 (None elsewhere).
         Collective: every rank must call it."""
 
-    # ---- checkpoints (name-keyed, reshardable) ------------------------------------------------
+    def restore_step(self, step: int) -> None:
+        """Resume: `step` optimizer steps were taken before this run (the loss scaler's growth
+        schedule and the step named in messages count from it). Called after the state is loaded."""
+        self.step_count = step
+
+    # ---- settings and reports ----------------------------------------------------------------
+    @classmethod
+    def label(cls, strategy_cfg: dict) -> str:
+        """A run's short name in reports, from its strategy.* settings (e.g. a stage number)."""
+        return cls.name
+
+    @classmethod
+    def known_cause(cls, cfg: dict) -> str:
+        """A reason, from a run's whole config (as a dict), why its weights may legitimately differ
+        from the reference's; '' when this strategy knows none."""
+        return ""
+
+    # ---- checkpoints, format "pieces" (name-keyed, reshardable) ---------------------------------
     # A rank's checkpoint state is a set of pieces "<kind>/<param name>" -> ShardPiece, where kind
     # is "master" (fp32 weights; the weights themselves for fp32 strategies) or an optimizer state
     # name ("exp_avg", "exp_avg_sq", "momentum_buffer", ...). A piece is a 1-D slice [start, end)
     # of the flattened tensor. Loading asks for exactly the ranges this rank now owns, so a
     # checkpoint written by N ranks of one strategy loads into M ranks of another.
     def checkpoint_state(self) -> dict[str, "ShardPiece"]:
-        raise NotImplementedError(f"strategy {self.name} cannot write zerolab checkpoints yet")
+        raise NotImplementedError(f"strategy {self.name} does not write the pieces format")
 
     def load_checkpoint_state(self, read: "Callable[[str, int, int], torch.Tensor]") -> None:
         """`read(key, start, end)` returns elements [start, end) of the flattened tensor `key`.
         `read` is a zerolab.checkpoint.PieceReader: `read.kinds(name)` also lists the optimizer-state
         kinds saved for parameter `name`, for optimizers that create their state lazily (torch's).
-        The optimizer's scalar state (Adam's `step`), the loss scaler, RNG and `step_count` are
-        restored by zerolab.checkpoint after this returns; strategies load tensors only."""
-        raise NotImplementedError(f"strategy {self.name} cannot load zerolab checkpoints yet")
+        The optimizer's scalar state (Adam's `step`), the loss scaler and RNG are restored by
+        zerolab.checkpoint after this returns, then restore_step; strategies load tensors only."""
+        raise NotImplementedError(f"strategy {self.name} does not read the pieces format")
+
+    # ---- checkpoints, format "native" (the strategy's own files) --------------------------------
+    def save_native(self, directory: str) -> None:
+        """Collective: write this strategy's own checkpoint files under `directory` (the save's
+        temporary directory; zerolab records, checksums and publishes every file found there,
+        beside its own meta.json and rank*.safetensors)."""
+        raise NotImplementedError(f"strategy {self.name} has no native checkpoint format")
+
+    def native_meta(self) -> dict:
+        """Rank 0, after save_native: what load_native and the classmethods below need, stored
+        as meta.json's "native" record (JSON values)."""
+        raise NotImplementedError(f"strategy {self.name} has no native checkpoint format")
+
+    def load_native(self, path: str, meta: dict) -> None:
+        """Collective: restore weights, optimizer state and loss scaler from the checkpoint at
+        `path` (meta: its verified meta.json, the record under meta["native"]). Open torch.save
+        files only inside zerolab.checkpoint.safe_torch_load(self.checkpoint_globals)."""
+        raise NotImplementedError(f"strategy {self.name} has no native checkpoint format")
+
+    @classmethod
+    def native_meta_problem(cls, native) -> Optional[str]:
+        """What a valid "native" record looks like, when `native` is not one; None when it is."""
+        return None
+
+    @classmethod
+    def check_native_compatible(cls, meta: dict, path: str, cfg: Config, world_size: int) -> None:
+        """Raise zerolab.checkpoint.CheckpointError (naming what to do instead) unless this run's
+        config and world size can load the native checkpoint `meta` describes."""
+
+    @classmethod
+    def native_weights(cls, path: str, meta: dict) -> dict[str, Callable[[], torch.Tensor]]:
+        """Export: parameter name -> a function returning its full weights (any float dtype, any
+        shape with the right element count), called one at a time inside safe_torch_load."""
+        raise NotImplementedError(f"strategy {cls.name} has no native checkpoint format")
 
     # ---- shared helpers --------------------------------------------------------------------
     def set_lr(self, lr: float) -> None:
         for group in self.optimizer.param_groups:
             group["lr"] = lr * group.get("lr_scale", 1.0)
 
-    def unscale_clip_update(self, grads: list[torch.Tensor]) -> StepInfo:
+    def unscale_clip_update(self, grads: list[torch.Tensor], stats_level: int = 0) -> StepInfo:
         """The part of a step every strategy shares, given this rank's fp32 gradients (whole
         tensors or shards; `sharded_grads` says which): global norm from local sums of squares
         (one all-reduce when sharded), overflow check agreed by all ranks, one multiply that
@@ -147,18 +220,14 @@ class Strategy(MemoryModel, abc.ABC):  # MemoryModel: predict_memory and what th
         multiplier = coef / (scaler.scale if scaler.enabled else 1.0)
         if multiplier != 1.0 and grads:
             torch._foreach_mul_(grads, multiplier)
-        extra = self._optimizer_step()
+        extra = self._optimizer_step(stats_level)
         self.step_count += 1
         return StepInfo(grad_norm=norm, grad_norm_clipped=norm * coef, extra=extra)
 
     # ---- watching the optimizer ----------------------------------------------------------------
-    # The trainer sets `stats_level` before each step: 0 = nothing extra (the hot path: no timing
-    # sync, no norms), 1 = optimizer step time, global update-to-weight ratio, trust-ratio
-    # min/median/max, 2 = also the update-to-weight ratio of every tensor.
-    stats_level: int = 0
-
-    def _optimizer_step(self) -> dict:
-        opt, level = self.optimizer, self.stats_level
+    def _optimizer_step(self, level: int) -> dict:
+        """The optimizer's update, measured as `level` asks (see step)."""
+        opt = self.optimizer
         if not level:
             opt.step()
             return {}

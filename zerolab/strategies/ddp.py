@@ -30,6 +30,9 @@ def _counting_allreduce(state, bucket):
 
 class DDPStrategy(TransientPeak, Strategy):
     name = "ddp"
+    reference = True  # nothing sharded: the baseline every other strategy is compared against
+    uses = frozenset({"strategy.bucket_mb", "strategy.find_unused_parameters", "trainer.nonfinite"})
+    checkpoint_format = "pieces"
 
     def setup(self, model: nn.Module, param_groups: list[dict], make_optimizer: OptimizerFactory) -> nn.Module:
         model.to(device=self.ctx.device, dtype=self.precision.compute_dtype)
@@ -55,7 +58,7 @@ class DDPStrategy(TransientPeak, Strategy):
     def _optimizer_params(self) -> list[torch.Tensor]:
         return self.master.master if self.master else self.params
 
-    def step(self, lr: float) -> StepInfo:
+    def step(self, lr: float, stats_level: int = 0) -> StepInfo:
         self.set_lr(lr)
         if self.master:
             self.master.grads_to_master()
@@ -64,7 +67,7 @@ class DDPStrategy(TransientPeak, Strategy):
             copies = sum(m.grad.untyped_storage().nbytes() for m in self.master.master if m.grad is not None)
             self._transient_alloc(copies, "step")
         grads = [p.grad for p in self._optimizer_params() if p.grad is not None]
-        info = self.unscale_clip_update(grads)
+        info = self.unscale_clip_update(grads, stats_level)
         if self.master:
             if not info.skipped:
                 self.master.master_to_model()

@@ -34,6 +34,7 @@ from zerolab.memory.prediction import NotPredicted, ceil_div, dtype_name, fmt_n
 from zerolab.memory.shapes import ModelShape
 from zerolab.precision import COMPUTE_BYTES
 from zerolab.strategies.base import OptimizerFactory, StepInfo, Strategy
+from zerolab.strategies.deepspeed_checkpoint import DeepSpeedCheckpointing
 
 INSTALL_HINT = "pip install deepspeed==0.19.8"
 
@@ -242,8 +243,24 @@ class _CountingBackend:
         del backend._zerolab_counting, backend._zerolab_counter, backend._zerolab_originals
 
 
-class DeepSpeedStrategy(Strategy):
+class DeepSpeedStrategy(DeepSpeedCheckpointing, Strategy):
     name = "deepspeed"
+    # DeepSpeed decides a non-finite step itself (skips it under fp16, applies it otherwise), so
+    # trainer.nonfinite does nothing here; its reductions are never in fp32 by zerolab's choice.
+    uses = frozenset({"strategy.stage", "strategy.bucket_mb", "strategy.overlap_comm", "strategy.client_optimizer",
+                      "strategy.ds_config_overrides"})
+
+    @classmethod
+    def label(cls, strategy_cfg: dict) -> str:
+        return f"{cls.name}-s{strategy_cfg.get('stage')}"
+
+    @classmethod
+    def known_cause(cls, cfg: dict) -> str:
+        s, opt = cfg.get("strategy", {}), cfg.get("optim", {}).get("name", "")
+        if int(s.get("stage", 0)) >= 1 and s.get("client_optimizer") and opt in ("lamb", "lars"):
+            return (f"DeepSpeed ZeRO stage {s.get('stage')} hands the client optimizer ({opt}) its "
+                    f"flat parameter groups, so the per-tensor trust ratios become one per group")
+        return ""
 
     def setup(self, model: nn.Module, param_groups: list[dict], make_optimizer: OptimizerFactory) -> nn.Module:
         deepspeed = import_deepspeed()
@@ -306,7 +323,8 @@ class DeepSpeedStrategy(Strategy):
     def backward(self, loss: torch.Tensor) -> None:
         self.engine.backward(loss, scale_wrt_gas=False)  # the trainer divided by accum already
 
-    def step(self, lr: float) -> StepInfo:
+    def step(self, lr: float, stats_level: int = 0) -> StepInfo:
+        """DeepSpeed's engine steps; `stats_level` is not measured (the optimizer is DeepSpeed's)."""
         self.set_lr(lr)
         self._step_mem = self._measure()  # gradients exist now; DeepSpeed frees some after the step
         skipped_before = self.engine.skipped_steps

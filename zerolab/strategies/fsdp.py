@@ -12,6 +12,7 @@ each synchronised backward reduce-scatters its gradients.
 """
 from __future__ import annotations
 
+import logging
 import math
 from contextlib import contextmanager
 from typing import Optional
@@ -27,6 +28,9 @@ from zerolab.precision import COMPUTE_BYTES
 from zerolab.strategies.base import OptimizerFactory, StepInfo, Strategy
 
 
+_log = logging.getLogger("zerolab")
+
+
 def _local(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     return t.to_local() if isinstance(t, DTensor) else t
 
@@ -34,6 +38,9 @@ def _local(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
 class FSDPStrategy(Strategy):
     name = "fsdp"
     sharded_grads = True
+    # fully_shard has no bucket size (a unit is one block) and reduces in fp32 under mixed precision.
+    uses = frozenset({"trainer.nonfinite"})
+    checkpoint_format = "none"
 
     def setup(self, model: nn.Module, param_groups: list[dict], make_optimizer: OptimizerFactory) -> nn.Module:
         p = self.precision
@@ -47,6 +54,11 @@ class FSDPStrategy(Strategy):
         self.compute_bytes = torch.finfo(p.compute_dtype).bits // 8
         self.reduce_bytes = 4 if p.name != "bf16_pure" else 2
         self.units: list[nn.Module] = list(getattr(model, "blocks", []))
+        if not self.units and self.ctx.is_main:
+            _log.warning("strategy=fsdp: the model (%s) has no .blocks, so it is one FSDP unit: every parameter is "
+                         "gathered for the whole forward and backward, and the memory per rank is not ZeRO-3's. "
+                         "Give the model a .blocks list of its layers, or use strategy=zero2",
+                         type(model).__name__)
         for block in self.units:
             fully_shard(block, mp_policy=mp)  # resharded after forward: re-gathered in backward
         fully_shard(model, mp_policy=mp)  # the root keeps its parameters between forward and backward
@@ -92,11 +104,11 @@ class FSDPStrategy(Strategy):
             self.model.set_requires_gradient_sync(True)
             self._sync = True
 
-    def step(self, lr: float) -> StepInfo:
+    def step(self, lr: float, stats_level: int = 0) -> StepInfo:
         self.set_lr(lr)
         grads = [_local(q.grad) for q in self.params if q.grad is not None]
         self._step_mem = self._measure()
-        info = self.unscale_clip_update(grads)
+        info = self.unscale_clip_update(grads, stats_level)
         self.optimizer.zero_grad(set_to_none=True)
         return info
 

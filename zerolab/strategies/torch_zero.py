@@ -38,6 +38,10 @@ def as_class_and_groups(optimizer: torch.optim.Optimizer) -> tuple[type, dict, l
 
 class TorchZeroStrategy(DDPStrategy):
     name = "torch_zero"
+    reference = False
+    # DDP's checkpoint methods are inherited but wrong here: the optimizer state lives on the rank
+    # that owns each parameter, which DDP's rank-0-writes-all would silently drop.
+    checkpoint_format = "none"
 
     def setup(self, model: nn.Module, param_groups: list[dict], make_optimizer: OptimizerFactory) -> nn.Module:
         def make_zero(groups: list[dict]) -> torch.optim.Optimizer:
@@ -50,8 +54,8 @@ class TorchZeroStrategy(DDPStrategy):
         self.broadcast_elem = self._optimizer_params()[0].element_size()
         return module
 
-    def step(self, lr: float) -> StepInfo:
-        info = super().step(lr)
+    def step(self, lr: float, stats_level: int = 0) -> StepInfo:
+        info = super().step(lr, stats_level)
         if not info.skipped and self.ctx.world_size > 1:
             self.comm.record("broadcast", self.broadcast_numel, self.broadcast_elem)
         return info

@@ -76,6 +76,8 @@ class FlatGroup:
 class ZeroStrategy(TransientPeak, Strategy):
     stage = 1
     sharded_grads = True
+    uses = frozenset({"strategy.bucket_mb", "strategy.reduce_dtype", "trainer.nonfinite"})
+    checkpoint_format = "pieces"
 
     # ---- setup ------------------------------------------------------------------------------
     def setup(self, model: nn.Module, param_groups: list[dict], make_optimizer: OptimizerFactory) -> nn.Module:
@@ -259,10 +261,10 @@ class ZeroStrategy(TransientPeak, Strategy):
             self.next_launch = 0
 
     # ---- step -------------------------------------------------------------------------------
-    def step(self, lr: float) -> StepInfo:
+    def step(self, lr: float, stats_level: int = 0) -> StepInfo:
         self.set_lr(lr)
         self._drain()
-        info = self.unscale_clip_update([g.master.grad for g in self.groups])
+        info = self.unscale_clip_update([g.master.grad for g in self.groups], stats_level)
         if not info.skipped:
             self._all_gather_params(wait=False)  # completes behind the next forward
         for g in self.groups:

@@ -105,6 +105,9 @@ class Unit:
 
 class Zero3Strategy(ZeroStrategy):
     name, stage = "zero3", 2  # stage 2: zero.py's gradient path (bucket copies, reduce-scatter per micro-batch)
+    uses = ZeroStrategy.uses | {"strategy.reshard_after_forward"}
+    # checkpoint_format "pieces" (zero.py): the fp32 master shard and optimizer state by parameter
+    # name and element range, exactly zero2's, so zero3 reshards to and from ddp/zero1/zero2.
 
     # ---- setup ------------------------------------------------------------------------------
     def setup(self, model: nn.Module, param_groups: list[dict], make_optimizer: OptimizerFactory) -> nn.Module:
@@ -264,10 +267,10 @@ class Zero3Strategy(ZeroStrategy):
             unit.arrived = 0
 
     # ---- step -------------------------------------------------------------------------------
-    def step(self, lr: float):
+    def step(self, lr: float, stats_level: int = 0):
         self.set_lr(lr)
         self._drain()
-        info = self.unscale_clip_update([g.master.grad for g in self.groups])
+        info = self.unscale_clip_update([g.master.grad for g in self.groups], stats_level)
         if not info.skipped:
             self._refresh_local()  # the next forward all-gathers the new weights: no all-gather here
         for g in self.groups:

@@ -1,0 +1,178 @@
+"""The strategy protocol carries what a strategy is: its checkpoint format, the settings it reads,
+whether it is the reference. Code outside strategies/ (trainer, checkpoint, report) asks the
+class, never the name; a setting that has no effect under the chosen strategy is warned about
+once; checkpoints written before the format was recorded still load."""
+import io
+import json
+import logging
+import re
+import tokenize
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import ROOT, fixed_corpus, run_train
+from zerolab.config import compose
+from zerolab.strategies import REGISTRY, STRATEGY_DEPENDENT, names_where, reference_strategy, strategy_class
+
+TINY = ["model=gpt_tiny", "trainer.eval_every=0", "data.micro_batch=2", "logging.wandb.mode=disabled",
+        "logging.progress=false", "run.save_model=false"]
+
+
+# ---- what each strategy declares ---------------------------------------------------------------
+def test_every_strategy_declares_format_settings_and_one_reference():
+    from zerolab.config import StrategyConfig
+    import dataclasses
+
+    settable = {f"strategy.{f.name}" for f in dataclasses.fields(StrategyConfig) if f.name != "name"}
+    for name in REGISTRY:
+        cls = strategy_class(name)
+        assert cls.name == name
+        assert cls.checkpoint_format in ("pieces", "native", "none"), name
+        assert cls.uses <= settable | set(STRATEGY_DEPENDENT), f"{name} uses unknown settings {cls.uses - settable}"
+    assert reference_strategy() == "ddp"
+    # torch_zero inherits DDP's checkpoint methods but must not write them (its optimizer state
+    # lives on the rank owning each parameter): the class attribute says so, not a name list.
+    assert strategy_class("torch_zero").checkpoint_format == "none"
+    assert names_where(checkpoint_format="pieces") == ["ddp", "zero1", "zero2", "zero3"]
+    assert names_where(checkpoint_format="native") == ["deepspeed"]
+
+
+def _code_words(path: Path) -> set[str]:
+    """Identifiers and the words inside string literals of a file, comments and docstrings left out."""
+    words, prev = set(), None
+    for tok in tokenize.generate_tokens(io.StringIO(path.read_text()).readline):
+        if tok.type == tokenize.STRING and prev in (tokenize.INDENT, tokenize.NEWLINE, tokenize.DEDENT, None):
+            prev = tok.type  # a docstring (a string statement of its own)
+            continue
+        if tok.type in (tokenize.NAME, tokenize.STRING, tokenize.FSTRING_MIDDLE if hasattr(tokenize, "FSTRING_MIDDLE") else -1):
+            words |= set(re.findall(r"[A-Za-z_][A-Za-z0-9_]*", tok.string.lower()))
+        if tok.type not in (tokenize.NL, tokenize.COMMENT):
+            prev = tok.type
+    return words
+
+
+def test_trainer_checkpoint_and_report_name_no_strategy():
+    files = [ROOT / "zerolab" / "trainer.py", ROOT / "zerolab" / "report.py",
+             *sorted((ROOT / "zerolab" / "checkpoint").glob("*.py"))]
+    for f in files:
+        named = _code_words(f) & set(REGISTRY)
+        assert not named, f"{f.relative_to(ROOT)} names strategies {sorted(named)} in code: ask the strategy class"
+
+
+def test_report_asks_the_strategy_class():
+    from zerolab.report import Run, known_cause, label_runs
+
+    def run(strategy, **extra):
+        return Run(Path(strategy), {"strategy": {"name": strategy, **extra}, "optim": {"name": "lamb"}}, [], {})
+
+    runs = [run("ddp"), run("deepspeed", stage=2, client_optimizer=True), run("zero2"), run("retired_strategy")]
+    label_runs(runs)
+    assert [r.label for r in runs] == ["ddp", "deepspeed-s2", "zero2", "retired_strategy"]
+    assert "per-tensor trust ratios become one per group" in known_cause(runs[1], runs[0])
+    assert known_cause(runs[2], runs[0]) == ""
+
+
+# ---- settings that have no effect ----------------------------------------------------------------
+@pytest.fixture()
+def fresh_warnings(monkeypatch):
+    import zerolab.config
+
+    monkeypatch.setattr(zerolab.config, "_warned", set())
+    monkeypatch.delenv("RANK", raising=False)
+
+
+@pytest.mark.parametrize("overrides, warned", [
+    (["strategy=ddp", "strategy.reduce_dtype=fp32"], ["strategy.reduce_dtype"]),
+    (["strategy=zero2", "strategy.reduce_dtype=fp32"], []),
+    (["strategy=ddp", "strategy.stage=2"], ["strategy.stage"]),
+    (["strategy=deepspeed"], []),  # deepspeed.yaml sets stage: 2, which deepspeed reads
+    (["strategy=deepspeed", "strategy.stage=0"], []),
+    (["strategy=zero1", "strategy.stage=0"], []),  # the default: nobody can tell it was set, and it changes nothing
+    (["strategy=fsdp", "strategy.bucket_mb=10"], ["strategy.bucket_mb"]),
+    (["strategy=fsdp", "strategy.bucket_mb=25"], []),
+    (["strategy=deepspeed", "trainer.nonfinite=skip"], ["trainer.nonfinite"]),
+    (["strategy=zero2", "trainer.nonfinite=skip"], []),
+    (["strategy=zero2", "strategy.client_optimizer=true", "strategy.overlap_comm=false",
+      "+strategy.ds_config_overrides.zero_optimization.round_robin_gradients=true"],
+     ["strategy.client_optimizer", "strategy.ds_config_overrides", "strategy.overlap_comm"]),
+    (["strategy=zero1", "strategy.find_unused_parameters=true"], ["strategy.find_unused_parameters"]),
+    (["strategy=ddp", "strategy.find_unused_parameters=true"], []),
+])
+def test_setting_without_effect_warns_once_naming_it(overrides, warned, fresh_warnings, caplog):
+    with caplog.at_level(logging.WARNING, logger="zerolab"):
+        cfg = compose(["model=gpt_tiny", *overrides])
+        compose(["model=gpt_tiny", *overrides])  # validated again in one process: no second warning
+    lines = [r.getMessage() for r in caplog.records if "has no effect" in r.getMessage()]
+    assert sorted(line.split("=", 1)[0] for line in lines) == warned, lines
+    for line in lines:
+        assert f"under strategy={cfg.strategy.name}" in line
+
+
+def test_fsdp_on_a_model_without_blocks_warns(tmp_path, monkeypatch, caplog):
+    """One FSDP unit holding every parameter is not ZeRO-3: the run says so, naming the model."""
+    from zerolab import dist as zdist
+    from zerolab.trainer import Trainer
+
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(var, raising=False)
+    cfg = compose(["strategy=fsdp", "model=gpt_tiny", "model.kind=mlp", *TINY, f"data.path={fixed_corpus()}",
+                   f"run.dir={tmp_path / 'run'}"])
+    ctx = zdist.init(cfg.dist)
+    try:
+        with caplog.at_level(logging.WARNING, logger="zerolab"):
+            trainer = Trainer(cfg, ctx)
+        trainer.metrics.close()
+        trainer.progress.close()
+    finally:
+        zdist.shutdown(ctx)
+    found = [r.getMessage() for r in caplog.records if "has no .blocks" in r.getMessage()]
+    assert len(found) == 1 and "strategy=fsdp: the model (NextTokenMLP) has no .blocks" in found[0], found
+
+
+@pytest.mark.slow
+def test_a_real_run_prints_one_warning_line(tmp_path):
+    """Two ranks validate the config; the warning comes once (from rank 0)."""
+    proc = run_train(tmp_path / "run", 2, *TINY, "strategy=ddp", "strategy.reduce_dtype=fp32", "trainer.max_steps=1")
+    out = proc.stdout + proc.stderr
+    assert out.count("strategy.reduce_dtype='fp32' has no effect under strategy=ddp") == 1, out[-3000:]
+
+
+# ---- checkpoints written before the format was recorded -------------------------------------------
+def test_format_2_checkpoint_still_loads(tmp_path, monkeypatch):
+    """A pieces checkpoint rewritten as format 2 wrote it (no checkpoint_format field) verifies as
+    the pieces format and resumes; the resumed strategy counts steps from the checkpoint's."""
+    from zerolab import dist as zdist
+    from zerolab.checkpoint import FORMAT_VERSION, meta_text, verify
+    from zerolab.trainer import Trainer
+
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(var, raising=False)
+    common = ["strategy=zero1", *TINY, f"data.path={fixed_corpus()}", f"checkpoint.dir={tmp_path / 'ck'}"]
+    cfg = compose([*common, f"run.dir={tmp_path / 'a'}"])
+    ctx = zdist.init(cfg.dist)
+    try:
+        a = Trainer(cfg, ctx)
+        a.train_step(0)
+        a.train_step(1)
+        path = a.checkpointer.save(2, a.strategy, a.schedule, a.sampler)
+        saved = {k: v.clone() for k, v in a.strategy.consolidated_state_dict().items()}
+        a.metrics.close()
+        a.progress.close()
+
+        meta_file = Path(path) / "meta.json"
+        meta = json.loads(meta_file.read_text())
+        assert FORMAT_VERSION == 3 and meta["format_version"] == 3 and meta["checkpoint_format"] == "pieces"
+        old = {k: v for k, v in meta.items() if k not in ("checkpoint_format", "meta_sha256")}
+        meta_file.write_text(meta_text({**old, "format_version": 2}))
+        assert verify(path)["checkpoint_format"] == "pieces"
+
+        b = Trainer(compose([*common, f"run.dir={tmp_path / 'b'}", f"checkpoint.resume={path}"]), ctx)
+        assert b.start_step == 2 and b.strategy.step_count == 2
+        got = b.strategy.consolidated_state_dict()
+        assert all(torch.equal(got[k], saved[k]) for k in saved)
+        b.metrics.close()
+        b.progress.close()
+    finally:
+        zdist.shutdown(ctx)

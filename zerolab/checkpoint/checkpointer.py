@@ -1,0 +1,250 @@
+"""Save and resume during training: collective, atomic, and agreed by every rank.
+
+The strategy says what it writes (Strategy.checkpoint_format): "pieces" (its rank's name-keyed
+pieces, zerolab/checkpoint/reshard.py) or "native" (its own files, written by save_native into the
+checkpoint directory, which zerolab checksums). Every rank also writes rank<r>.safetensors with its
+RNG state (and its pieces, for that format); rank 0 writes meta.json and publishes.
+"""
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import shutil
+from dataclasses import asdict
+
+import torch
+
+from zerolab.checkpoint.format import FORMAT, FORMAT_VERSION, META, CheckpointError, meta_text, read_meta, \
+    write_safetensors
+from zerolab.checkpoint.reshard import PieceReader, optimizer_scalars, restore_optimizer_scalars, rng_tensors
+from zerolab.checkpoint.store import check_compatible, list_checkpoints, newest_good, prune, publish, \
+    record_files, resolve, verify
+
+log = logging.getLogger("zerolab")
+
+
+class Checkpointer:
+    def __init__(self, cfg, ctx, run_dir: str, layout: dict, strategy=None):
+        from zerolab.config import ConfigError
+        from zerolab.strategies import REGISTRY, names_where
+
+        self.cfg, self.ctx, self.layout = cfg, ctx, layout
+        self.dir = os.path.abspath(cfg.checkpoint.dir or os.path.join(run_dir, "checkpoints"))
+        if cfg.checkpoint.every and strategy is not None and strategy.checkpoint_format == "none":
+            # Fail now, not after `every` steps of training.
+            able = [n for n in REGISTRY if n not in names_where(checkpoint_format="none")]
+            raise ConfigError(f"checkpoint.every={cfg.checkpoint.every}: strategy={cfg.strategy.name} cannot write "
+                              f"checkpoints yet; use one of {', '.join(able)}, or checkpoint.every=0")
+
+    # ---- save ----------------------------------------------------------------------------------
+    def save(self, step: int, strategy, schedule, sampler) -> str:
+        """Collective. Every rank writes its file; rank 0 writes meta.json and publishes.
+        A failure on any rank (disk full, say) fails the save on every rank together: outcomes
+        are agreed by the collectives the save needs anyway, the temp directory is removed, the
+        previous checkpoint stays as it was, and a CheckpointError says what happened."""
+        ctx, name = self.ctx, f"step_{step:08d}"
+        tmp, final = os.path.join(self.dir, f".tmp-{name}"), os.path.join(self.dir, name)
+        if self.layout["buffers"]:
+            raise CheckpointError(f"model buffers {self.layout['buffers']} are not saved by zerolab checkpoints yet")
+        failure = None
+        if ctx.is_main:
+            try:
+                os.makedirs(self.dir, exist_ok=True)
+                shutil.rmtree(tmp, ignore_errors=True)
+                os.makedirs(tmp)
+            except OSError as err:
+                failure = self._failure(step, err, tmp)
+        self._agree(ctx.gather_objects(failure), tmp)
+        native = strategy.checkpoint_format == "native"
+        report, where = None, tmp if native else os.path.join(tmp, f"rank{ctx.rank}.safetensors")
+        try:
+            if native:  # the strategy writes its own files (collective)
+                strategy.save_native(tmp)
+            where = os.path.join(tmp, f"rank{ctx.rank}.safetensors")
+            report = self._write_rank_file(tmp, step, strategy, native)
+        except Exception as err:  # noqa: BLE001  (torch.save reports a full disk as RuntimeError)
+            failure = self._failure(step, err, where)
+        reports = ctx.gather_objects(report if failure is None else {"failure": failure})
+        self._agree([r.get("failure") for r in reports], tmp)
+        if ctx.is_main:
+            try:
+                meta = self._meta(step, strategy, schedule, sampler, reports)
+                if native:
+                    meta["native"] = strategy.native_meta()
+                    record_files(tmp, meta["files"])
+                publish(tmp, final, self.dir, meta_text(meta))
+                prune(self.dir, self.cfg.checkpoint.keep_last)
+            except OSError as err:
+                failure = self._failure(step, err, os.path.join(tmp, META))
+        self._agree([ctx.broadcast_object(failure)], tmp)
+        if ctx.is_main:
+            log.info("checkpoint: step %d saved to %s", step, final)
+        return final
+
+    def _write_rank_file(self, tmp: str, step: int, strategy, native: bool) -> dict:
+        ctx = self.ctx
+        pieces = {} if native else strategy.checkpoint_state()
+        entries, index = [], []
+        for key, pc in sorted(pieces.items()):
+            tname = f"{key}@{pc.start}:{pc.end}"
+            entries.append((tname, pc.tensor.dtype, (pc.end - pc.start,), lambda t=pc.tensor: t.reshape(-1)))
+            index.append({"key": key, "tensor": tname, "start": pc.start, "end": pc.end, "shape": list(pc.shape),
+                          "dtype": str(pc.tensor.dtype).removeprefix("torch.")})
+        for key, t in rng_tensors(ctx.device).items():
+            entries.append((key, t.dtype, tuple(t.shape), lambda t=t: t))
+        fname = f"rank{ctx.rank}.safetensors"
+        info = write_safetensors(os.path.join(tmp, fname), entries, {"format": FORMAT, "rank": ctx.rank, "step": step})
+        return {"file": fname, "rank": ctx.rank, **info, "pieces": index,
+                "scalars": {} if native else optimizer_scalars(strategy.optimizer)}
+
+    def _failure(self, step: int, err: Exception, writing: str) -> str:
+        """One paragraph: where, what happened, how much space it needs, what to do."""
+        import errno
+
+        where = getattr(err, "filename", None) or writing  # a failed write() names no file
+        prev = next(iter(list_checkpoints(self.dir)), None)
+        try:
+            free = f", {shutil.disk_usage(self.dir).free} bytes were free when it failed"
+        except OSError:
+            free = ""
+        if getattr(err, "errno", None) in (errno.ENOSPC, errno.EDQUOT):
+            what = "no space left on the device" if err.errno == errno.ENOSPC else "disk quota exceeded"
+            need = ""
+            if prev is not None:
+                try:
+                    need = f"; the previous checkpoint took {sum(f['bytes'] for f in read_meta(prev)['files'].values())} bytes"
+                except CheckpointError:
+                    pass
+            fix = (f"free space under {self.dir} (or lower checkpoint.keep_last), or point checkpoint.dir at a "
+                   f"larger filesystem")
+            what += need + free
+        else:
+            what = getattr(err, "strerror", None) or f"{type(err).__name__}: {err}"
+            fix = f"check that {self.dir} is writable and has space{free}"
+        kept = (f"The previous checkpoint {prev} is intact: continue from it with checkpoint.resume=auto"
+                if prev else "No earlier checkpoint exists")
+        return (f"rank {self.ctx.rank}: saving the checkpoint of step {step} failed writing {where}: {what}. "
+                f"The unfinished save was removed. To fix: {fix}. {kept}.")
+
+    def _agree(self, failures: list, tmp: str) -> None:
+        """Every rank holds the same list of failures (one collective gave it to all): if any rank
+        failed, all remove the temp directory and raise together, nobody waits in a collective."""
+        failed = [f for f in failures if f]
+        if failed:
+            shutil.rmtree(tmp, ignore_errors=True)  # shared or node-local: each rank removes what it sees
+            raise CheckpointError(failed[0] + (f" ({len(failed) - 1} other rank(s) failed too)" if len(failed) > 1 else ""))
+
+    def _meta(self, step, strategy, schedule, sampler, reports) -> dict:
+        import safetensors
+
+        import zerolab
+        from zerolab.config import to_dict
+
+        cfg, pieces, shapes = self.cfg, {}, self.layout["params"]
+        for r in reports:
+            for pc in r["pieces"]:
+                name = pc["key"].split("/", 1)[1]
+                if shapes.get(name) != pc["shape"]:
+                    raise CheckpointError(f"rank {r['rank']} saved {pc['key']} with shape {pc['shape']}, "
+                                          f"the model has {shapes.get(name)}")
+                pieces.setdefault(pc["key"], []).append(
+                    {"file": r["file"], "tensor": pc["tensor"], "start": pc["start"], "end": pc["end"], "dtype": pc["dtype"]})
+        scalars = next((r["scalars"] for r in reports if r["scalars"]), {})
+        return {
+            "format": FORMAT, "format_version": FORMAT_VERSION, "checkpoint_format": strategy.checkpoint_format,
+            "step": step, "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "world_size": self.ctx.world_size, "strategy": cfg.strategy.name, "precision": cfg.precision.name,
+            "optimizer": cfg.optim.name, "config": to_dict(cfg),
+            "versions": {"zerolab": zerolab.__version__, "torch": torch.__version__, "safetensors": safetensors.__version__},
+            "lr_schedule": {**asdict(schedule), "next_lr": schedule(step)},
+            "loss_scaler": strategy.precision.scaler.state_dict(),
+            "sampler": {"next_step": step, "seed": sampler.seed, "global_batch": sampler.global_batch},
+            "optimizer_scalars": scalars,
+            **self.layout, "pieces": pieces,
+            "files": {r["file"]: {"rank": r["rank"], "bytes": r["bytes"], "sha256": r["sha256"]} for r in reports},
+        }
+
+    # ---- resume --------------------------------------------------------------------------------
+    def resume(self, strategy, schedule, sampler) -> int:
+        """Collective. Loads the checkpoint chosen by checkpoint.resume; returns the step to start at.
+        Rank 0 picks and verifies it; every rank checks compatibility before any state changes."""
+        ctx, cfg, want = self.ctx, self.cfg, self.cfg.checkpoint.resume
+        choice = None
+        if ctx.is_main:
+            try:
+                if want == "auto":
+                    path = newest_good(self.dir)
+                    if path is None:
+                        log.info("checkpoint.resume=auto: no checkpoint in %s, starting at step 0", self.dir)
+                    else:
+                        log.info("checkpoint.resume=auto: resuming from %s", path)
+                else:
+                    path = resolve(want)
+                    verify(path)
+                choice = ("ok", path)
+            except CheckpointError as err:
+                choice = ("error", str(err))
+        status, value = ctx.broadcast_object(choice)
+        if status == "error":
+            raise CheckpointError(value)
+        if value is None:
+            return 0
+        path = value
+        meta = read_meta(path)
+        check_compatible(meta, path, cfg, strategy, self.layout)
+        step = int(meta["step"])
+        schedule.resume_from(meta["lr_schedule"])  # re-derives the peak lr if the global batch changed
+        self._note_differences(meta, schedule, sampler)
+
+        reader = PieceReader(path, meta)
+        if meta["checkpoint_format"] == "native":
+            # The strategy restores its weights, optimizer state and loss scaler from its own files,
+            # which verify() checksummed and scanned.
+            strategy.load_native(path, meta)
+        else:
+            strategy.load_checkpoint_state(reader)
+            restore_optimizer_scalars(strategy.optimizer, meta["optimizer_scalars"])
+            scaler = strategy.precision.scaler
+            if scaler.enabled and meta["precision"] == "fp16":
+                scaler.load_state_dict(meta["loss_scaler"])
+        strategy.restore_step(step)
+        if reader.weights_only and ctx.is_main:
+            log.warning("checkpoint: %s holds weights only (imported from %s): the optimizer state starts fresh",
+                        path, meta.get("imported_from", {}).get("strategy", "?"))
+        self._restore_rng(reader, meta, step)
+        if ctx.is_main:
+            log.info("checkpoint: resumed at step %d from %s (%s, %d ranks -> %s, %d ranks)", step, path,
+                     meta["strategy"], meta["world_size"], cfg.strategy.name, ctx.world_size)
+        ctx.barrier()
+        return step
+
+    def _restore_rng(self, reader: PieceReader, meta: dict, step: int) -> None:
+        ctx = self.ctx
+        rng = reader.rng(ctx.rank) if meta["world_size"] == ctx.world_size else {}
+        if "rng/cpu" in rng:
+            torch.set_rng_state(rng["rng/cpu"])
+            if "rng/cuda" in rng and ctx.device.type == "cuda":
+                torch.cuda.set_rng_state(rng["rng/cuda"], ctx.device)
+        else:
+            torch.manual_seed(self.cfg.trainer.seed + 1 + ctx.rank + 1_000_003 * step)
+            if ctx.is_main:
+                log.warning("checkpoint: no RNG state for these ranks (saved with %d ranks, resumed with %d): dropout "
+                            "RNG streams are re-seeded, so the run is not bitwise identical to one that never stopped",
+                            meta["world_size"], ctx.world_size)
+
+    def _note_differences(self, meta: dict, schedule, sampler) -> None:
+        if not self.ctx.is_main:
+            return
+        keys = ("warmup_steps", "max_steps", "decay", "min_lr_ratio", "base_lr")  # batch scaling: resume_from
+        now, saved = asdict(schedule), meta["lr_schedule"]
+        changed = {k: (saved.get(k), now.get(k)) for k in keys if saved.get(k) != now.get(k)}
+        if changed:
+            log.warning("checkpoint: the LR schedule differs from the checkpoint's (saved, now): %s; "
+                        "continuing with the new one", changed)
+        if meta["sampler"]["global_batch"] != sampler.global_batch or meta["sampler"]["seed"] != sampler.seed:
+            log.warning("checkpoint: global batch or seed changed (%s saved); the data order after the resume "
+                        "differs from the original run's", meta["sampler"])
+        if meta["precision"] != self.cfg.precision.name:
+            log.warning("checkpoint: saved in precision=%s, resumed in precision=%s (fp32 master weights carry over)",
+                        meta["precision"], self.cfg.precision.name)

@@ -1,0 +1,271 @@
+"""What a checkpoint is on disk: meta.json (validated, self-digested), safetensors written one
+tensor at a time, and the only ways zerolab opens a torch.save file (weights_only, allow-listed).
+
+Checkpoint formats: "pieces" (zerolab's name-keyed, reshardable pieces in rank*.safetensors) and
+"native" (a strategy's own files, which that strategy's class writes, reads, checks and exports;
+see zerolab/strategies/base.py). meta.json records the format and the strategy that wrote it; the
+strategy registry turns that name into the class that implements a native format.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import re
+import struct
+from contextlib import contextmanager
+from typing import Callable, Optional
+
+import torch
+
+from zerolab.errors import ZerolabError
+
+FORMAT = "zerolab-checkpoint"
+# 2: meta.json carries "meta_sha256", a digest of its other fields (1 had none).
+# 3: meta.json says which checkpoint format it holds ("checkpoint_format": pieces | native) and
+#    keeps a native format's own record under "native". 1 and 2 are read as their writer's format,
+#    a native record under the writer's name (see upgrade_meta).
+FORMAT_VERSION = 3
+FORMATS = ("pieces", "native")
+META, LATEST = "meta.json", "latest"
+STEP_RE = re.compile(r"^step_(\d{8,})$")
+
+
+class CheckpointError(ZerolabError):
+    """A checkpoint that cannot be used; the message names the file and the mismatch."""
+
+
+# ---- safetensors, written one tensor at a time ---------------------------------------------------
+# safetensors' own save_file needs every tensor in memory at once (and refuses views that share
+# storage). Its format is simple: an 8-byte little-endian header length, a JSON header giving
+# each tensor's dtype, shape and byte range, then the raw bytes. Writing it ourselves lets a rank
+# stream its pieces, and lets export hold one tensor at a time.
+_ST_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
+              torch.uint8: "U8", torch.int8: "I8", torch.int32: "I32", torch.int64: "I64", torch.bool: "BOOL"}
+DTYPE_NAMES = {str(d).removeprefix("torch.") for d in _ST_DTYPES}
+
+
+def write_safetensors(path: str, entries: list[tuple[str, torch.dtype, tuple, Callable[[], torch.Tensor]]],
+                      metadata: Optional[dict] = None) -> dict:
+    """entries: (name, dtype, shape, produce); produce() is called once, in order, just before its
+    bytes are written. Returns {"sha256", "bytes"} of the file, which is fsynced."""
+    header, offset = {}, 0
+    for name, dtype, shape, _ in entries:
+        n = math.prod(shape) * dtype.itemsize
+        header[name] = {"dtype": _ST_DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + n]}
+        offset += n
+    if metadata:
+        header["__metadata__"] = {k: str(v) for k, v in metadata.items()}
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)  # the data section starts 8-byte aligned
+    digest, size = hashlib.sha256(), 0
+    with open(path, "wb") as fh:
+        for chunk_src in (struct.pack("<Q", len(blob)), blob):
+            fh.write(chunk_src)
+            digest.update(chunk_src)
+            size += len(chunk_src)
+        for name, dtype, shape, produce in entries:
+            t = produce().detach().to("cpu").contiguous()
+            if t.dtype != dtype or tuple(t.shape) != tuple(shape):
+                raise CheckpointError(f"{path}: tensor {name} changed to {t.dtype} {tuple(t.shape)} while saving")
+            raw = memoryview(t.reshape(-1).view(torch.uint8).numpy())
+            fh.write(raw)
+            digest.update(raw)
+            size += raw.nbytes
+            del t, raw
+        fh.flush()
+        os.fsync(fh.fileno())
+    return {"sha256": digest.hexdigest(), "bytes": size}
+
+
+def sha256_file(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+# ---- torch.save files: never unpickled beyond tensors, containers and an allow-list -------------
+# A native format may consist of torch.save files (DeepSpeed's do), whose loaders call
+# torch.load(weights_only=False), which would run any code a replaced file carries. zerolab lets
+# such a file be opened only after (1) a static scan of its pickle refused every global beyond
+# torch's tensors and plain containers and the writing strategy's allow-list
+# (Strategy.checkpoint_globals), and (2) inside `safe_torch_load`, which turns every torch.load
+# into a weights_only one with the same allow-list, so a payload the scan could not see is refused too.
+def load_torch_file(path: str, map_location: str = "cpu"):
+    """torch.load restricted to tensors and plain containers (weights_only=True): a file that
+    would need to unpickle code (a callable, a custom class) is refused, never executed."""
+    import pickle
+
+    try:
+        return torch.load(path, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as err:
+        raise CheckpointError(f"{path}: refused, it holds pickled objects other than tensors and plain "
+                              f"containers, which zerolab never unpickles ({str(err).splitlines()[0]})") from err
+
+
+def check_torch_file(path: str, allowed=(), owner: str = "its writer") -> None:
+    """Refuses a torch.save file whose pickle names a global outside torch's weights_only set and
+    `allowed`, without unpickling anything (the pickle opcodes are read, never run)."""
+    from torch.serialization import get_unsafe_globals_in_checkpoint
+
+    try:
+        unsafe = get_unsafe_globals_in_checkpoint(path)
+    except Exception as err:  # noqa: BLE001  (not a torch.save zip archive, or a malformed pickle)
+        raise CheckpointError(f"{path}: refused, it is not a torch.save archive zerolab can inspect without "
+                              f"unpickling it ({type(err).__name__}: {err})") from err
+    refused = sorted(g for g in unsafe if g not in allowed)
+    if refused:
+        raise CheckpointError(f"{path}: refused, its pickle names {', '.join(refused)}, which is not a tensor, a plain "
+                              f"container or one of the classes {owner}'s checkpoints hold; zerolab never "
+                              f"unpickles it. Delete this checkpoint or restore it from a trusted copy")
+
+
+def _allowed_objects(names) -> list:
+    import importlib
+
+    out = []
+    for name in names:
+        module, attr = name.rsplit(".", 1)
+        try:
+            out.append(getattr(importlib.import_module(module), attr))
+        except (ImportError, AttributeError):
+            continue  # another library version: a file that needs it is refused, never run
+    return out
+
+
+@contextmanager
+def safe_torch_load(allowed=()):
+    """Within: every torch.load (a library's own included, which may ask for weights_only=False)
+    is a weights_only load that accepts only torch's safe set and `allowed` (dotted names)."""
+    import pickle
+
+    original = torch.load
+
+    def load(f, *args, **kwargs):
+        kwargs["weights_only"] = True
+        try:
+            return original(f, *args, **kwargs)
+        except pickle.UnpicklingError as err:
+            raise CheckpointError(f"{f}: refused while loading, it holds pickled objects outside the allow-list "
+                                  f"({str(err).splitlines()[0]})") from err
+
+    torch.load = load
+    try:
+        with torch.serialization.safe_globals(_allowed_objects(allowed)):
+            yield
+    finally:
+        torch.load = original
+
+
+# ---- meta.json ---------------------------------------------------------------------------------
+def meta_digest(meta: dict) -> str:
+    """sha256 of meta.json's canonical form (sorted keys, no whitespace) without the digest itself."""
+    body = {k: v for k, v in meta.items() if k != "meta_sha256"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def meta_text(meta: dict) -> str:
+    return json.dumps({**meta, "meta_sha256": meta_digest(meta)}, indent=1)
+
+
+def writer_class(meta: dict):
+    """The strategy class that wrote this checkpoint, or None when this zerolab does not know it."""
+    from zerolab.strategies import REGISTRY, strategy_class
+
+    return strategy_class(meta["strategy"]) if meta.get("strategy") in REGISTRY else None
+
+
+def upgrade_meta(meta: dict) -> None:
+    """Formats 1 and 2 did not record the checkpoint format: it is the writing strategy's, and a
+    native format's record was kept under the strategy's own name. In memory only (after the
+    digest check): the file on disk is never rewritten."""
+    if meta.get("format_version", 0) >= 3:
+        return
+    cls = writer_class(meta)
+    meta["checkpoint_format"] = cls.checkpoint_format if cls is not None else None  # None: refused on load
+    if meta["checkpoint_format"] == "native":
+        meta["native"] = meta.pop(meta["strategy"], None)
+
+
+def read_meta(path: str) -> dict:
+    mpath = os.path.join(path, META)
+    if not os.path.exists(mpath):
+        raise CheckpointError(f"{mpath} is missing: {path} is not a complete zerolab checkpoint")
+    try:
+        with open(mpath) as fh:
+            meta = json.load(fh)
+    except (OSError, ValueError) as err:
+        raise CheckpointError(f"{mpath} is not readable JSON ({err}); the checkpoint is corrupt") from err
+    if meta.get("format") != FORMAT:
+        raise CheckpointError(f"{mpath}: format {meta.get('format')!r} is not {FORMAT!r}")
+    version = meta.get("format_version")
+    if not isinstance(version, int) or version > FORMAT_VERSION:
+        raise CheckpointError(f"{mpath}: format version {version} is newer than this zerolab reads "
+                              f"({FORMAT_VERSION}); load it with the zerolab version that wrote it "
+                              f"({meta.get('versions', {}).get('zerolab', '?')}) or newer")
+    # Version 1 had no digest; from 2 on one is required, and any one present must match.
+    if version >= 2 or "meta_sha256" in meta:
+        if meta.get("meta_sha256") != meta_digest(meta):
+            raise CheckpointError(f"{mpath}: its content does not match its own sha256 (meta_sha256): the "
+                                  f"file was changed or corrupted after it was written")
+    validate_meta(meta, mpath, os.path.basename(os.path.normpath(path)))
+    return meta
+
+
+def validate_meta(meta: dict, mpath: str, dirname: str) -> None:
+    """Every field zerolab reads, by type and range: a checksum catches corruption, this catches a
+    meta.json that was rewritten (with its digest) into something zerolab would misread."""
+    def bad(field, why):
+        raise CheckpointError(f"{mpath}: field {field!r} {why}; the checkpoint is corrupt")
+
+    def is_int(v, lo=0):
+        return isinstance(v, int) and not isinstance(v, bool) and v >= lo
+
+    def want(field, ok, what):
+        if not ok(meta.get(field)):
+            bad(field, f"is {meta.get(field)!r}, expected {what}")
+
+    want("step", is_int, "an integer >= 0")
+    want("world_size", lambda v: is_int(v, 1), "an integer >= 1")
+    for field in ("strategy", "precision", "optimizer"):
+        want(field, lambda v: isinstance(v, str) and v != "", "a name")
+    for field in ("config", "lr_schedule", "loss_scaler", "sampler", "optimizer_scalars", "aliases", "pieces", "files"):
+        want(field, lambda v: isinstance(v, dict), "an object")
+    want("state_dict_keys", lambda v: isinstance(v, list) and all(isinstance(k, str) for k in v), "a list of names")
+    want("buffers", lambda v: isinstance(v, list), "a list")
+    want("params", lambda v: isinstance(v, dict) and all(
+        isinstance(s, list) and all(is_int(d) for d in s) for s in v.values()), "names -> shapes")
+    m = STEP_RE.match(dirname)
+    if m and int(m.group(1)) != meta["step"]:
+        bad("step", f"is {meta['step']}, but the directory is {dirname}")
+    sampler = meta["sampler"]
+    if not (is_int(sampler.get("next_step")) and is_int(sampler.get("seed")) and is_int(sampler.get("global_batch"), 1)):
+        bad("sampler", f"is {sampler!r}, expected next_step, seed >= 0 and global_batch >= 1")
+    if not isinstance(meta["lr_schedule"].get("next_lr", 0.0), (int, float)):
+        bad("lr_schedule", "has a non-numeric next_lr")
+    for fname, info in meta["files"].items():
+        # names stay inside the checkpoint directory
+        if os.path.isabs(fname) or ".." in fname.split("/") or not fname:
+            bad("files", f"names {fname!r}, outside the checkpoint directory")
+        if not (isinstance(info, dict) and is_int(info.get("bytes")) and isinstance(info.get("sha256"), str)
+                and re.fullmatch(r"[0-9a-f]{64}", info["sha256"]) and (info.get("rank") is None or is_int(info["rank"]))):
+            bad("files", f"has a malformed entry for {fname!r}: {info!r}")
+    for key, pieces in meta["pieces"].items():
+        for pc in pieces if isinstance(pieces, list) else [None]:
+            if not (isinstance(pc, dict) and pc.get("file") in meta["files"] and isinstance(pc.get("tensor"), str)
+                    and is_int(pc.get("start")) and is_int(pc.get("end")) and pc["start"] <= pc["end"]
+                    and pc.get("dtype") in DTYPE_NAMES):
+                bad("pieces", f"has a malformed piece of {key!r}: {pc!r}")
+    upgrade_meta(meta)
+    if meta["format_version"] >= 3:
+        want("checkpoint_format", lambda v: v in FORMATS, " or ".join(FORMATS))
+    if meta["checkpoint_format"] == "native":
+        cls = writer_class(meta)
+        if cls is None or cls.checkpoint_format != "native":
+            bad("strategy", f"is {meta['strategy']!r}, which writes no native checkpoint format this zerolab reads")
+        problem = cls.native_meta_problem(meta.get("native"))
+        if problem:
+            bad("native", f"is {meta.get('native')!r}, expected {problem}")

@@ -1,0 +1,157 @@
+"""Checkpoint directories: verify one, list them, pick the newest good one, check that one fits
+the run about to load it, publish a finished one."""
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from typing import Callable, Optional
+
+from zerolab.atomic import atomic_write_text, fsync_dir
+from zerolab.checkpoint.format import (FORMATS, LATEST, META, STEP_RE, CheckpointError, check_torch_file, read_meta,
+                                       sha256_file, writer_class)
+from zerolab.checkpoint.reshard import check_pieces_cover
+
+log = logging.getLogger("zerolab")
+
+
+def trusted_globals(meta: dict) -> tuple:
+    """The pickle globals the writing strategy's own files may name (none for the pieces format)."""
+    cls = writer_class(meta)
+    return tuple(cls.checkpoint_globals) if cls is not None and meta["checkpoint_format"] == "native" else ()
+
+
+def verify(path: str, checksums: bool = True) -> dict:
+    """Metadata readable, every recorded file present with its recorded size and sha256, every
+    torch.save file free of pickled code."""
+    meta = read_meta(path)
+    allowed, owner = trusted_globals(meta), f"strategy {meta['strategy']}"
+    for fname, info in meta["files"].items():
+        full = os.path.join(path, fname)
+        if not os.path.exists(full):
+            whose = (f"shard of rank {info['rank']} of {meta['world_size']}" if info.get("rank") is not None
+                     else f"a file of {owner}'s own checkpoint format")
+            raise CheckpointError(f"{full} is missing ({whose})")
+        size = os.path.getsize(full)
+        if size != info["bytes"]:
+            raise CheckpointError(f"{full} has {size} bytes, the checkpoint recorded {info['bytes']}: truncated or corrupt")
+        if checksums and sha256_file(full) != info["sha256"]:
+            raise CheckpointError(f"{full}: sha256 does not match the one recorded in {META}: corrupt")
+        if not fname.endswith(".safetensors"):
+            check_torch_file(full, allowed, owner)  # torch.save files: refused before anything opens them
+    # A native loader finds its files by name pattern in the directories they are in: no file
+    # there may be unrecorded. (Format 2 left DeepSpeed's unrecorded script at the top level.)
+    native_dirs = {f.split("/")[0] for f, info in meta["files"].items() if info.get("rank") is None and "/" in f}
+    for top in sorted(native_dirs):
+        for root, _, names in os.walk(os.path.join(path, top)):
+            for n in names:
+                rel = os.path.relpath(os.path.join(root, n), path)
+                if rel not in meta["files"]:
+                    raise CheckpointError(f"{os.path.join(path, rel)} is not recorded in {META}: the checkpoint was "
+                                          f"changed after it was written; remove that file or the checkpoint")
+    return meta
+
+
+def list_checkpoints(root: str) -> list[str]:
+    """Complete-looking checkpoint directories under root, newest step first."""
+    if not os.path.isdir(root):
+        return []
+    found = [(int(m.group(1)), os.path.join(root, d)) for d in os.listdir(root) if (m := STEP_RE.match(d))]
+    return [p for _, p in sorted(found, reverse=True)]
+
+
+def newest_good(root: str, say: Callable[[str], None] = log.warning) -> Optional[str]:
+    """The newest checkpoint under root that verifies; says which ones it skipped and why."""
+    skipped = []
+    for path in list_checkpoints(root):
+        try:
+            verify(path)
+        except CheckpointError as err:
+            say(f"checkpoint {path} is unusable: {err}")
+            skipped.append(path)
+            continue
+        if skipped:
+            say(f"falling back to {path}, the newest good checkpoint (skipped {len(skipped)} newer)")
+        return path
+    if skipped:
+        raise CheckpointError(f"no usable checkpoint in {root}: all {len(skipped)} failed verification (see above)")
+    return None
+
+
+def resolve(path: str) -> str:
+    """A step directory as given, or the newest good one in a checkpoints directory."""
+    if os.path.exists(os.path.join(path, META)) or STEP_RE.match(os.path.basename(os.path.normpath(path))):
+        return path
+    if os.path.isdir(path):
+        found = newest_good(path)
+        if found:
+            return found
+    raise CheckpointError(f"{path} is neither a checkpoint (no {META}) nor a directory holding step_* checkpoints")
+
+
+def check_compatible(meta: dict, path: str, cfg, strategy, layout: dict) -> None:
+    """Everything that can be checked before a single tensor is touched: the format is one this
+    run's strategy loads, the optimizer and the model are the same."""
+    from zerolab.strategies import names_where
+
+    where = os.path.join(path, META)
+    writer, fmt = writer_class(meta), meta["checkpoint_format"]
+    pieces = ", ".join(names_where(checkpoint_format="pieces"))
+    if writer is None or fmt not in FORMATS:
+        raise CheckpointError(f"{where}: written by strategy {meta['strategy']!r}, whose checkpoint format this "
+                              f"zerolab does not read; zerolab's pieces format loads across {pieces}")
+    if fmt == "native":
+        writer.check_native_compatible(meta, path, cfg, strategy.ctx.world_size)
+    elif type(strategy).checkpoint_format != "pieces":
+        raise CheckpointError(f"strategy={cfg.strategy.name} cannot load zerolab checkpoints; resume {path} with "
+                              f"one of {pieces}")
+    if meta["optimizer"] != cfg.optim.name:
+        raise CheckpointError(f"{where}: optimizer state is for optim={meta['optimizer']}, this run uses "
+                              f"optim={cfg.optim.name}; resume with optim={meta['optimizer']}")
+    saved, mine = meta["params"], layout["params"]
+    problems = [f"{n}: missing from the checkpoint" for n in mine if n not in saved]
+    problems += [f"{n}: in the checkpoint but not in this model" for n in saved if n not in mine]
+    problems += [f"{n}: shape {saved[n]} in the checkpoint, {mine[n]} in this model"
+                 for n in mine if n in saved and saved[n] != mine[n]]
+    if problems:
+        raise CheckpointError(f"{where}: the checkpoint is for another model (model={meta['config']['model']['name']}): "
+                              + "; ".join(problems[:6]) + (f"; ... {len(problems) - 6} more" if len(problems) > 6 else ""))
+    if fmt == "pieces":
+        check_pieces_cover(meta, where, layout)
+
+
+def record_files(directory: str, files: dict) -> None:
+    """Adds every file under `directory` that `files` lacks (a native format's own files, which no
+    rank reported) with its size and sha256; meta.json itself is never recorded."""
+    for root, _, names in os.walk(directory):
+        for n in sorted(names):
+            full = os.path.join(root, n)
+            rel = os.path.relpath(full, directory)
+            if rel != META and rel not in files:
+                files[rel] = {"rank": None, "bytes": os.path.getsize(full), "sha256": sha256_file(full)}
+
+
+def publish(tmp: str, final: str, root: str, meta_text: str) -> None:
+    """meta.json into the finished temp directory, the directory into place, then `latest`: a crash
+    at any point leaves the previous checkpoint (and `latest` naming it) intact."""
+    name = os.path.basename(final)
+    atomic_write_text(os.path.join(tmp, META), meta_text)
+    fsync_dir(tmp)
+    if os.path.exists(final):  # the same step saved again (a resumed run): swap it out
+        old = os.path.join(root, f".old-{name}")
+        shutil.rmtree(old, ignore_errors=True)
+        os.rename(final, old)
+    os.rename(tmp, final)
+    fsync_dir(root)
+    atomic_write_text(os.path.join(root, LATEST), name + "\n")
+
+
+def prune(root: str, keep: int) -> None:
+    """All but the newest `keep` checkpoints (none when keep <= 0), and leftovers of saves a crash interrupted."""
+    for path in (list_checkpoints(root)[keep:] if keep > 0 else []):
+        shutil.rmtree(path, ignore_errors=True)
+    for d in os.listdir(root):
+        if d.startswith((".tmp-", ".old-")):
+            shutil.rmtree(os.path.join(root, d), ignore_errors=True)
+        elif d.startswith(LATEST + ".tmp."):  # an atomic write of `latest` a crash interrupted
+            os.remove(os.path.join(root, d))
