@@ -184,7 +184,7 @@ class Trainer:
         losses = []
         board, fault = self.progress, self.fault  # where this rank is, for naming a rank that stops
         logged = self.logs_step(step)
-        getattr(self.strategy, "reset_transient_peak", lambda: None)()  # peak accounting: a new step
+        self.strategy.reset_transient_peak()  # peak accounting: a new step
         if logged and self.ctx.device.type == "cuda":  # CUDA: the allocator's peak of this step (untested here)
             torch.cuda.reset_peak_memory_stats(self.ctx.device)
         for micro in range(accum):
@@ -242,7 +242,7 @@ class Trainer:
         strategy.memory() measured, the activations the meter measured, and the transients: the
         loss's logits buffers (8 bytes × the logits' measured numel), one recomputed block with
         checkpointing (formula) and what the strategy recorded (transient_peak_bytes)."""
-        tp = getattr(self.strategy, "transient_peak_bytes", lambda: {})()
+        tp = self.strategy.transient_peak_bytes()
         states = {k[len("mem/"):-len("_bytes")]: v for k, v in figures.items() if k.startswith("mem/")}
         pk = peak_of(states, self.activations_bytes,
                      LOGIT_BUFFER_BYTES * self.logits_numel + self.recompute_bytes + tp.get("backward", 0), tp.get("step", 0))

@@ -24,6 +24,7 @@ from zerolab.dist import DistContext
 from zerolab.errors import ZerolabError
 from zerolab.precision import Precision, clip_coefficient, grad_norm_sq
 from zerolab.strategies.memory_protocol import MemoryModel
+from zerolab.strategies.transient import TransientPeak
 
 _log = logging.getLogger("zerolab")
 
@@ -54,7 +55,7 @@ class StepInfo:
     extra: dict = field(default_factory=dict)  # strategy- or optimizer-specific metrics
 
 
-class Strategy(MemoryModel, abc.ABC):  # MemoryModel: predict_memory and what the ledger asks
+class Strategy(MemoryModel, TransientPeak, abc.ABC):  # predict_memory; transient bytes it records while running
     """What a strategy is (class attributes, read without building one) and what it does (methods)."""
     name: str = "?"
     sharded_grads: bool = False  # True when each rank holds only part of the gradient

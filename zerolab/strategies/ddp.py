@@ -18,7 +18,6 @@ from zerolab.memory.prediction import MIXED, dtype_name
 from zerolab.precision import COMPUTE_BYTES
 from zerolab.precision import MasterCopy
 from zerolab.strategies.base import OptimizerFactory, ShardPiece, StepInfo, Strategy
-from zerolab.strategies.transient import TransientPeak
 
 
 def _counting_allreduce(state, bucket):
@@ -28,7 +27,7 @@ def _counting_allreduce(state, bucket):
     return default_hooks.allreduce_hook(group, bucket)
 
 
-class DDPStrategy(TransientPeak, Strategy):
+class DDPStrategy(Strategy):
     name = "ddp"
     reference = True  # nothing sharded: the baseline every other strategy is compared against
     uses = frozenset({"strategy.bucket_mb", "strategy.find_unused_parameters", "trainer.nonfinite"})

@@ -1,7 +1,7 @@
 """Transient bytes a strategy holds during a step, recorded by the strategy as it runs: the
 trainer's CPU peak accounting (zerolab.memory.peak) adds them to the model states and the
-activations. A strategy that holds nothing beyond its model states need not use this mixin:
-the trainer reads `transient_peak_bytes` with getattr and takes zeros.
+activations. Every Strategy inherits it; one that records nothing (DeepSpeed, FSDP2 and
+torch_zero keep their buffers to themselves) reports zeros.
 
 Two moments, as in the prediction's Term.when: "backward" (with the activations alive: buckets
 copied for reduction, gathered weights) and "step" (inside the optimizer step: fp32 gradient

@@ -46,7 +46,6 @@ from zerolab.memory.prediction import MIXED, dtype_name, fmt_n
 from zerolab.optim.segments import Segment
 from zerolab.precision import COMPUTE_BYTES
 from zerolab.strategies.base import OptimizerFactory, ShardPiece, StepInfo, Strategy
-from zerolab.strategies.transient import TransientPeak
 
 
 @dataclass
@@ -73,7 +72,7 @@ class FlatGroup:
     names: list[str] = field(default_factory=list)
 
 
-class ZeroStrategy(TransientPeak, Strategy):
+class ZeroStrategy(Strategy):
     stage = 1
     sharded_grads = True
     uses = frozenset({"strategy.bucket_mb", "strategy.reduce_dtype", "trainer.nonfinite"})
