@@ -31,13 +31,9 @@ import sys
 from dataclasses import dataclass, field, replace
 
 from zerolab.activations import COMPUTE_BYTES, predict_activations
-from zerolab.memory import Prediction, human_bytes, load_model_config, predict, shape_from_model_config
+from zerolab.memory import Prediction, human_bytes, load_model_config, shape_from_model_config, sweep_predictions
 from zerolab.memory.peak import predicted_peak
 
-# (label, strategy, DeepSpeed stage): every strategy memory.predict models, as the sweep lists them.
-STRATEGIES = (("ddp", "ddp", 0), ("zero1", "zero1", 0), ("zero2", "zero2", 0), ("zero3", "zero3", 0),
-              ("deepspeed-1", "deepspeed", 1), ("deepspeed-2", "deepspeed", 2), ("deepspeed-3", "deepspeed", 3),
-              ("fsdp", "fsdp", 0))
 CATEGORIES = ("params", "grads", "master", "optim_state", "buffers", "activations", "transient")
 MAX_MICRO_BATCH = 1 << 16
 _UNITS = {"b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12,
@@ -111,12 +107,10 @@ class Planner:
         self.mcfg, self.world, self.seq, self.precision = mcfg, world, seq, precision
         self.optim, self.device, self.every_k = optim, device, every_k
         self.shape = shape_from_model_config(mcfg)
-        self.states: dict[str, Prediction] = {}
-        for label, strategy, stage in STRATEGIES:
-            if strategy == "deepspeed" and precision == "bf16_pure":
-                continue  # DeepSpeed has no bf16_pure mode
-            self.states[label] = predict(self.shape, strategy, world, precision, optim, stage=stage,
-                                         bucket_mb=bucket_mb)
+        # Every strategy (and stage) the memory sweep lists, in the registry's order; those that
+        # cannot run `precision` are left out (memory.sweep_predictions).
+        self.states: dict[str, Prediction] = {
+            label: row[0] for label, row in sweep_predictions(self.shape, [world], precision, optim, bucket_mb).items()}
 
     def peak(self, label: str, micro_batch: int, checkpointing: str) -> tuple[int, dict, str]:
         """(peak bytes, bytes by category at that moment, the moment: backward | step)."""
