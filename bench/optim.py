@@ -9,7 +9,10 @@ variant has its own copy of the weights and sees the same gradients. "flat" is z
 one contiguous tensor holding every parameter: what the ZeRO sharder hands the optimizer (there
 it is this rank's 1/N slice). Prints p50/p95 time per optimizer step, the ratio of medians to
 torch's foreach (torch's default on this machine), optimizer state bytes, and the largest
-relative difference of the weights from torch's foreach after the run (the same math).
+relative difference of the weights from torch's foreach and fused AdamW after the run (the same
+math; "zerolab auto" and "zerolab flat auto" run torch's fused kernel, so they equal torch fused
+bitwise), and the machine's load average before and after (a loaded machine slows every variant;
+compare ratios from one run, not absolute times across runs).
 """
 from __future__ import annotations
 
@@ -46,9 +49,11 @@ def variants(shapes: list[torch.Size]) -> dict:
             return ps, AdamW(ps, **HP, impl=impl)
         return make
 
-    def flat(init):
-        p = torch.nn.Parameter(torch.cat([t.flatten() for t in init]))
-        return [p], AdamW([p], **HP)
+    def flat(impl):
+        def make(init):
+            p = torch.nn.Parameter(torch.cat([t.flatten() for t in init]))
+            return [p], AdamW([p], **HP, impl=impl)
+        return make
 
     out = {"torch for_loop": torch_opt(foreach=False), "torch foreach": torch_opt(foreach=True)}
     try:  # fused AdamW runs on CPU in recent torch; say so if this build lacks it
@@ -58,7 +63,11 @@ def variants(shapes: list[torch.Size]) -> dict:
         out["torch fused"] = torch_opt(fused=True)
     except (RuntimeError, ValueError) as err:
         print(f"torch fused AdamW unavailable here: {err}")
-    out.update({"zerolab for_loop": ours("for_loop"), "zerolab foreach": ours("foreach"), "zerolab flat": flat})
+    # "auto" is zerolab's default: torch's fused kernel where it applies (fp32 on CPU), else foreach.
+    # A flat group is one tensor, so impl=foreach there runs the composed ops once over the shard.
+    out.update({"zerolab for_loop": ours("for_loop"), "zerolab foreach": ours("foreach"),
+                "zerolab auto": ours("auto"), "zerolab flat composed": flat("foreach"),
+                "zerolab flat auto": flat("auto")})
     return out
 
 
@@ -73,6 +82,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=3)
     a = ap.parse_args()
+    load_before = os.getloadavg()
     torch.manual_seed(0)
     model = build_model(compose([f"model={a.model}"]).model)
     init = [p.detach().clone() for p in model.parameters()]
@@ -84,7 +94,7 @@ def main() -> None:
         grads = [torch.randn(t.shape, generator=gen) * 1e-2 for t in init]
         flat_grad = torch.cat([g.flatten() for g in grads])
         for name, (ps, opt) in runs.items():
-            if name == "zerolab flat":
+            if name.startswith("zerolab flat"):
                 ps[0].grad = flat_grad
             else:
                 for p, g in zip(ps, grads):
@@ -94,20 +104,22 @@ def main() -> None:
             dt = time.perf_counter() - t0
             if step >= a.warmup:
                 times[name].append(dt)
-    ref = torch.cat([p.detach().flatten() for p in runs["torch foreach"][0]])
+    load_after = os.getloadavg()
+    weights = {name: torch.cat([p.detach().flatten() for p in ps]) for name, (ps, _) in runs.items()}
+    refs = [r for r in ("torch foreach", "torch fused") if r in weights]
     base = statistics.median(times["torch foreach"])
     print(f"AdamW on {a.model} parameters: {n:,} params in {len(init)} tensors, fp32 | torch {torch.__version__} | "
-          f"{platform.processor() or platform.machine()} | threads {torch.get_num_threads()} | "
-          f"{a.steps} timed steps after {a.warmup}, interleaved")
-    print(f"{'variant':18s} {'p50 ms':>8s} {'p95 ms':>8s} {'p50 / torch foreach':>20s} {'state bytes':>13s} "
-          f"{'B/param':>8s} {'max rel diff':>13s}")
+          f"{platform.processor() or platform.machine()} | {os.cpu_count()} cores | threads {torch.get_num_threads()} | "
+          f"{a.steps} timed steps after {a.warmup}, interleaved | load average (1/5/15 min) before "
+          f"{'/'.join(f'{x:.1f}' for x in load_before)}, after {'/'.join(f'{x:.1f}' for x in load_after)}")
+    print(f"{'variant':22s} {'p50 ms':>8s} {'p95 ms':>8s} {'p50 / torch foreach':>20s} {'state bytes':>13s} "
+          f"{'B/param':>8s}" + "".join(f" {'rel diff vs ' + r:>24s}" for r in refs))
     for name, (ps, opt) in runs.items():
         t = times[name]
-        w = torch.cat([p.detach().flatten() for p in ps])
-        diff = ((w - ref).abs().max() / ref.abs().max()).item()
+        diffs = [((weights[name] - weights[r]).abs().max() / weights[r].abs().max()).item() for r in refs]
         sb = state_bytes(opt)
-        print(f"{name:18s} {1e3 * statistics.median(t):8.1f} {1e3 * percentile(t, 95):8.1f} "
-              f"{statistics.median(t) / base:20.2f} {sb:13,d} {sb / n:8.1f} {diff:13.2g}")
+        print(f"{name:22s} {1e3 * statistics.median(t):8.1f} {1e3 * percentile(t, 95):8.1f} "
+              f"{statistics.median(t) / base:20.2f} {sb:13,d} {sb / n:8.1f}" + "".join(f" {d:24.2g}" for d in diffs))
 
 
 if __name__ == "__main__":

@@ -123,20 +123,10 @@ class ZerolabOptimizer(torch.optim.Optimizer):
         if self.track_updates and params[0].dtype in LOW_PRECISION:
             # 16-bit weights updated in place (precision=bf16_pure, whole tensors or a ZeRO shard):
             # rounding can swallow the update, so record the change that actually landed.
-            before = [upcast(p.detach()).clone() for p in params]
+            before = self._snapshot(params)
             for p, u in zip(params, updates):
                 p.mul_(1 - decay).add_(u)
-            diffs = [upcast(p.detach()) - b for p, b in zip(params, before)]
-            if is_flat_group(group):
-                segs, n = group["segments"], group["n_tensors"]
-                upd_sq, w_sq = per_tensor_sum_sq(diffs[0], segs, n), per_tensor_sum_sq(before[0], segs, n)
-                names = list(group["names"])
-            else:
-                # per-tensor sums (not _foreach_norm): FSDP's bf16_pure weights are DTensors
-                upd_sq = torch.stack([d.pow(2).sum() for d in diffs])
-                w_sq = torch.stack([b.pow(2).sum() for b in before])
-            self._update_stats.append({"names": names, "partial": is_flat_group(group), "update_sq": upd_sq,
-                                       "weight_sq": w_sq})
+            self._record_landed(group, params, before, names)
             return
         if self.track_updates:
             self._record(group, params, updates, names, decay)
@@ -152,6 +142,41 @@ class ZerolabOptimizer(torch.optim.Optimizer):
         else:
             for p, u in zip(params, updates):
                 p.add_(u)
+
+    @staticmethod
+    def _snapshot(params: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The weights before an update (fp32 copies of 16-bit ones), for _record_landed."""
+        return [upcast(p.detach()).clone() for p in params]
+
+    def _record_landed(self, group: dict, params: list[torch.Tensor], before: list[torch.Tensor],
+                       names: list[str]) -> None:
+        """Record ‖Δw‖² and ‖w‖² from the weights before (`before`) and after the update: used where
+        Δw is never materialised (a fused kernel) or rounding may swallow part of it (16-bit)."""
+        diffs = [upcast(p.detach()) - b for p, b in zip(params, before)]
+        if is_flat_group(group):
+            segs, n = group["segments"], group["n_tensors"]
+            upd_sq, w_sq = per_tensor_sum_sq(diffs[0], segs, n), per_tensor_sum_sq(before[0], segs, n)
+            names = list(group["names"])
+        else:
+            # per-tensor sums (not _foreach_norm): FSDP's bf16_pure weights are DTensors
+            upd_sq = torch.stack([d.pow(2).sum() for d in diffs])
+            w_sq = torch.stack([b.pow(2).sum() for b in before])
+        self._update_stats.append({"names": names, "partial": is_flat_group(group), "update_sq": upd_sq,
+                                   "weight_sq": w_sq})
+
+    def _fusable(self, *lists: list[torch.Tensor]) -> bool:
+        """Whether torch's fused CPU kernel can run over these tensors: impl auto, and every tensor
+        a plain (not DTensor), dense, contiguous fp32/fp64 CPU tensor of one dtype. 16-bit weights
+        keep the composed path: the fused kernel computes them in fp32 and rounds once, which would
+        change bf16_pure's results. CUDA keeps it too: torch's fused CUDA kernel wants the step
+        counters on the device, and zerolab keeps them on the host."""
+        if self.impl != "auto":
+            return False
+        tensors = [t for lst in lists for t in lst]
+        dtype = tensors[0].dtype
+        return dtype in (torch.float32, torch.float64) and all(
+            type(t) in (torch.Tensor, torch.nn.Parameter) and t.device.type == "cpu" and t.dtype == dtype
+            and t.layout == torch.strided and t.is_contiguous() for t in tensors)
 
     def _record(self, group: dict, params: list[torch.Tensor], updates: list[torch.Tensor],
                 names: list[str], decay: float = 0.0) -> None:
