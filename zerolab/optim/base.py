@@ -265,12 +265,14 @@ def layer_norms(group: dict, a: list[torch.Tensor], b: list[torch.Tensor]) -> tu
 
 
 def scale_per_tensor(group: dict, tensors: list[torch.Tensor], factors: torch.Tensor) -> None:
-    """tensors[i] *= factors[i] (unsharded), or each segment by its tensor's factor (flat)."""
+    """tensors[i] *= factors[i] (unsharded), or each segment by its tensor's factor (flat), in place:
+    no shard-sized tensor of factors is built (the same products, so the same bits). Padding is left
+    as it is: its update is 0 (zero gradient, zero weight)."""
     if is_flat_group(group):
-        from zerolab.optim.segments import expand_per_tensor
-
         flat = tensors[0]
-        flat.mul_(expand_per_tensor(factors.to(flat.device), group["segments"], flat.numel()).to(flat.dtype))
+        factors = factors.to(device=flat.device, dtype=flat.dtype)
+        for seg in group["segments"]:
+            flat[seg.start:seg.end].mul_(factors[seg.tensor])
     else:
         for t, f in zip(tensors, factors.to(tensors[0].device).unbind()):
             t.mul_(f)
