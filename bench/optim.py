@@ -5,7 +5,8 @@ With --optim sgd_momentum|lamb|lars|adam, zerolab's variants of that optimizer a
     OMP_NUM_THREADS=1 python bench/optim.py [--model gpt_small] [--steps 30] [--warmup 3] [--optim adamw]
 
 The variants are interleaved step by step (every variant takes its step i before any takes
-step i+1) so they share the machine's conditions; the first --warmup steps are not timed. Each
+step i+1, in a new random order each step) so they share the machine's conditions; the first
+--warmup steps are not timed. Each
 variant has its own copy of the weights and sees the same gradients. "flat" is zerolab's AdamW on
 one contiguous tensor holding every parameter: what the ZeRO sharder hands the optimizer (there
 it is this rank's 1/N slice). Prints p50/p95 time per optimizer step, the ratio of medians to
@@ -20,6 +21,7 @@ from __future__ import annotations
 import argparse
 import os
 import platform
+import random
 import statistics
 import sys
 import time
@@ -78,7 +80,7 @@ def variants(optim: str) -> dict:
         except (RuntimeError, ValueError) as err:
             print(f"torch fused AdamW unavailable here: {err}")
     # "auto" is zerolab's default: for Adam(W) torch's fused kernel where it applies (fp32 on CPU),
-    # else foreach. A flat group is one tensor, so impl=foreach there runs the composed ops once
+    # else foreach (for the other optimizers auto and foreach run the same code: their gap is noise). A flat group is one tensor, so impl=foreach there runs the composed ops once
     # over the whole shard.
     out.update({"zerolab for_loop": ours("for_loop"), "zerolab foreach": ours("foreach"),
                 "zerolab auto": ours("auto"), "zerolab flat composed": flat("foreach"),
@@ -107,10 +109,15 @@ def main() -> None:
     runs = {name: make(init) for name, make in variants(a.optim).items()}
     times = {name: [] for name in runs}
     gen = torch.Generator().manual_seed(1)
+    order, shuffler = list(runs), random.Random(2)
     for step in range(a.warmup + a.steps):
         grads = [torch.randn(t.shape, generator=gen) * 1e-2 for t in init]
         flat_grad = torch.cat([g.flatten() for g in grads])
-        for name, (ps, opt) in runs.items():
+        # A new order every step: a fixed one biases by position (a variant that follows another
+        # reuses the memory it just freed; measured up to 0.5x between two identical variants).
+        shuffler.shuffle(order)
+        for name in order:
+            ps, opt = runs[name]
             if name.startswith("zerolab flat"):
                 ps[0].grad = flat_grad
             else:
@@ -128,7 +135,7 @@ def main() -> None:
     base = statistics.median(times[base_name])
     print(f"{a.optim} on {a.model} parameters: {n:,} params in {len(init)} tensors, fp32 | torch {torch.__version__} | "
           f"{platform.processor() or platform.machine()} | {os.cpu_count()} cores | threads {torch.get_num_threads()} | "
-          f"{a.steps} timed steps after {a.warmup}, interleaved | load average (1/5/15 min) before "
+          f"{a.steps} timed steps after {a.warmup}, interleaved in a new random order each step | load average (1/5/15 min) before "
           f"{'/'.join(f'{x:.1f}' for x in load_before)}, after {'/'.join(f'{x:.1f}' for x in load_after)}")
     print(f"{'variant':22s} {'p50 ms':>8s} {'p95 ms':>8s} {'p50 / ' + base_name:>22s} {'state bytes':>13s} "
           f"{'B/param':>8s}" + "".join(f" {'rel diff vs ' + r:>24s}" for r in refs))
