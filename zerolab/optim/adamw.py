@@ -6,6 +6,13 @@ Per tensor, with gradient g, step t, lr η, decay λ:
   AdamW:  w ← w·(1 − ηλ), then w ← w − η·m̂/(√v̂ + ε)   (decay decoupled from the statistics)
   Adam:   g ← g + λ·w before the moments (classic L2: decay is rescaled by 1/√v̂ like the gradient)
 ε is added after the bias-corrected square root, as torch does.
+
+Kernel: with impl=auto, fp32/fp64 CPU tensors and bias correction on, the step runs in torch's
+fused Adam(W) kernel (torch._fused_adamw_, what torch.optim.AdamW(fused=True) runs): one pass
+over memory, no temporaries, ~5x torch's foreach on CPU. It rounds differently from the composed
+foreach ops (~1e-7 relative after tens of steps), and the same for a flat ZeRO shard as for
+whole tensors, so ddp and zero1/2 stay on one kernel. Otherwise (impl=foreach/for_loop, 16-bit
+weights, CUDA, DTensors, no bias correction) the composed ops below run.
 """
 from __future__ import annotations
 
@@ -34,6 +41,9 @@ class AdamW(ZerolabOptimizer):
             return
         params, grads, names, m_all, v_all, bc1, bc2 = live
         lr, eps, wd = group["lr"], group["eps"], group["weight_decay"]
+        if group["bias_correction"] and self._fusable(params, grads, m_all, v_all):
+            self._fused_step(group, params, grads, names, m_all, v_all)
+            return
         updates = []
         for ps, gs, ms, vs in self._chunks(group, params, grads, m_all, v_all):
             if wd and not self.decoupled:
@@ -49,6 +59,20 @@ class AdamW(ZerolabOptimizer):
             updates.extend(u)
         # AdamW's decay w ← w·(1 − ηλ) is applied by _apply before the step, as torch orders it.
         self._apply(group, params, updates, names, decay=lr * wd if self.decoupled else 0.0)
+
+    def _fused_step(self, group: dict, params: list, grads: list, names: list, m_all: list, v_all: list) -> None:
+        """The same math in torch's fused kernel: one pass over memory per tensor, no temporaries
+        (torch.optim.AdamW(fused=True) calls the same kernel; the step counters were advanced by
+        _adam_moments, and the kernel reads them for the bias corrections). Elementwise, so a flat
+        ZeRO shard and the per-tensor (ddp) call give bitwise the same weights."""
+        before = self._snapshot(params) if self.track_updates else None  # logged steps only
+        kernel = torch._fused_adamw_ if self.decoupled else torch._fused_adam_
+        b1, b2 = group["betas"]
+        kernel(params, grads, m_all, v_all, [], [self.state[p]["step"] for p in params], lr=group["lr"],
+               beta1=b1, beta2=b2, weight_decay=group["weight_decay"], eps=group["eps"], amsgrad=False,
+               maximize=False)
+        if before is not None:
+            self._record_landed(group, params, before, names)
 
 
 class Adam(AdamW):

@@ -10,9 +10,12 @@ materialising Δw.
 Kernels (`impl`):
   for_loop  one tensor at a time (a Python loop of small kernels)
   foreach   torch's multi-tensor `_foreach_*` ops over the whole group
-  auto      foreach when every tensor of a group is dense and on one device
-A flat group (one contiguous fp32 shard from the ZeRO sharder) is a single tensor, so the choice
-does not matter there: every op already runs over the whole shard at once.
+  auto      Adam/AdamW: torch's fused kernel on fp32/fp64 CPU tensors (see adamw.py and
+            `_fusable`); otherwise foreach when every tensor of a group is dense and on one device
+A flat group (one contiguous fp32 shard from the ZeRO sharder) is a single tensor, so foreach vs
+for_loop does not matter there; the fused kernel does (one pass over memory instead of seven, no
+shard-sized temporaries), and it treats a flat shard and whole tensors alike, so ddp and zero1/2
+run the same kernel.
 """
 from __future__ import annotations
 
@@ -123,20 +126,10 @@ class ZerolabOptimizer(torch.optim.Optimizer):
         if self.track_updates and params[0].dtype in LOW_PRECISION:
             # 16-bit weights updated in place (precision=bf16_pure, whole tensors or a ZeRO shard):
             # rounding can swallow the update, so record the change that actually landed.
-            before = [upcast(p.detach()).clone() for p in params]
+            before = self._snapshot(params)
             for p, u in zip(params, updates):
                 p.mul_(1 - decay).add_(u)
-            diffs = [upcast(p.detach()) - b for p, b in zip(params, before)]
-            if is_flat_group(group):
-                segs, n = group["segments"], group["n_tensors"]
-                upd_sq, w_sq = per_tensor_sum_sq(diffs[0], segs, n), per_tensor_sum_sq(before[0], segs, n)
-                names = list(group["names"])
-            else:
-                # per-tensor sums (not _foreach_norm): FSDP's bf16_pure weights are DTensors
-                upd_sq = torch.stack([d.pow(2).sum() for d in diffs])
-                w_sq = torch.stack([b.pow(2).sum() for b in before])
-            self._update_stats.append({"names": names, "partial": is_flat_group(group), "update_sq": upd_sq,
-                                       "weight_sq": w_sq})
+            self._record_landed(group, params, before, names)
             return
         if self.track_updates:
             self._record(group, params, updates, names, decay)
@@ -152,6 +145,41 @@ class ZerolabOptimizer(torch.optim.Optimizer):
         else:
             for p, u in zip(params, updates):
                 p.add_(u)
+
+    @staticmethod
+    def _snapshot(params: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The weights before an update (fp32 copies of 16-bit ones), for _record_landed."""
+        return [upcast(p.detach()).clone() for p in params]
+
+    def _record_landed(self, group: dict, params: list[torch.Tensor], before: list[torch.Tensor],
+                       names: list[str]) -> None:
+        """Record ‖Δw‖² and ‖w‖² from the weights before (`before`) and after the update: used where
+        Δw is never materialised (a fused kernel) or rounding may swallow part of it (16-bit)."""
+        diffs = [upcast(p.detach()) - b for p, b in zip(params, before)]
+        if is_flat_group(group):
+            segs, n = group["segments"], group["n_tensors"]
+            upd_sq, w_sq = per_tensor_sum_sq(diffs[0], segs, n), per_tensor_sum_sq(before[0], segs, n)
+            names = list(group["names"])
+        else:
+            # per-tensor sums (not _foreach_norm): FSDP's bf16_pure weights are DTensors
+            upd_sq = torch.stack([d.pow(2).sum() for d in diffs])
+            w_sq = torch.stack([b.pow(2).sum() for b in before])
+        self._update_stats.append({"names": names, "partial": is_flat_group(group), "update_sq": upd_sq,
+                                   "weight_sq": w_sq})
+
+    def _fusable(self, *lists: list[torch.Tensor]) -> bool:
+        """Whether torch's fused CPU kernel can run over these tensors: impl auto, and every tensor
+        a plain (not DTensor), dense, contiguous fp32/fp64 CPU tensor of one dtype. 16-bit weights
+        keep the composed path: the fused kernel computes them in fp32 and rounds once, which would
+        change bf16_pure's results. CUDA keeps it too: torch's fused CUDA kernel wants the step
+        counters on the device, and zerolab keeps them on the host."""
+        if self.impl != "auto":
+            return False
+        tensors = [t for lst in lists for t in lst]
+        dtype = tensors[0].dtype
+        return dtype in (torch.float32, torch.float64) and all(
+            type(t) in (torch.Tensor, torch.nn.Parameter) and t.device.type == "cpu" and t.dtype == dtype
+            and t.layout == torch.strided and t.is_contiguous() for t in tensors)
 
     def _record(self, group: dict, params: list[torch.Tensor], updates: list[torch.Tensor],
                 names: list[str], decay: float = 0.0) -> None:
@@ -240,12 +268,14 @@ def layer_norms(group: dict, a: list[torch.Tensor], b: list[torch.Tensor]) -> tu
 
 
 def scale_per_tensor(group: dict, tensors: list[torch.Tensor], factors: torch.Tensor) -> None:
-    """tensors[i] *= factors[i] (unsharded), or each segment by its tensor's factor (flat)."""
+    """tensors[i] *= factors[i] (unsharded), or each segment by its tensor's factor (flat), in place:
+    no shard-sized tensor of factors is built (the same products, so the same bits). Padding is left
+    as it is: its update is 0 (zero gradient, zero weight)."""
     if is_flat_group(group):
-        from zerolab.optim.segments import expand_per_tensor
-
         flat = tensors[0]
-        flat.mul_(expand_per_tensor(factors.to(flat.device), group["segments"], flat.numel()).to(flat.dtype))
+        factors = factors.to(device=flat.device, dtype=flat.dtype)
+        for seg in group["segments"]:
+            flat[seg.start:seg.end].mul_(factors[seg.tensor])
     else:
         for t, f in zip(tensors, factors.to(tensors[0].device).unbind()):
             t.mul_(f)
