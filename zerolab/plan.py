@@ -13,11 +13,11 @@ with the run's ledger and the trainer's CPU accounting):
                 never more than that.
               - one checkpointed block recomputed (its activations minus its kept input), with
                 activation checkpointing.
-              - the strategy's communication buffers during backward, as memory.predict states
-                them: buckets in flight (DDP's are the gradients themselves; zero2 copies up to
-                five), DeepSpeed's reduce bucket, the gathered weights of stage 3 / FSDP.
-  step      model states + buffers + what exists inside the optimizer step only (memory.predict's
-            terms "alive inside step()" and "while the optimizer steps": fp32 gradient copies).
+              - the strategy's communication buffers during backward, as its memory prediction
+                states them (transient terms with when="backward": buckets in flight, a reduce
+                bucket, gathered weights of a parameter-sharding stage).
+  step      model states + buffers + what exists inside the optimizer step only (the transient
+            terms with when="step": fp32 gradient copies, all-gather inputs).
 Not counted: the CUDA context and allocator fragmentation (the margin is for them), the gradients
 of activations flowing through one layer during backward, NCCL's own buffers.
 """

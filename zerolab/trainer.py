@@ -265,7 +265,7 @@ class Trainer:
             os.remove(os.path.join(self.run_dir, MARKER))  # a previous attempt's: this one is running now
         for step in range(self.start_step, t.max_steps):
             self.fault.before_step(step)
-            clock.start()  # no device sync per step (zerolab.timing): zero1/2's all-gathers stay in flight
+            clock.start()  # no device sync per step (zerolab.timing): the sharders' all-gathers stay in flight
             local_loss, lr, info = self.train_step(step)
             clock.stop()
             skipped += info.skipped
