@@ -1,12 +1,18 @@
-"""ddp vs zerolab's zero1 and zero2, side by side in one run (run under torchrun).
+"""ddp vs zerolab's zero1, zero2 and zero3, side by side in one run (run under torchrun).
 
     torchrun --standalone --nproc_per_node=2 bench/zero.py [--steps 20] [key=value ...]
 
-The strategies are interleaved step by step (ddp, zero1, zero2, ddp, ...) so all of them see
-the same machine conditions; the first --warmup steps of each are not timed. Prints, per
-strategy: p50/p95 step time and the ratio of medians to ddp, measured memory per rank by
-category (after a step, optimizer state allocated), and comm bytes per rank per step next to
-the 2Ψ(N−1)/N theory.
+The strategies are interleaved step by step (ddp, zero1, zero2, ..., ddp, ...) so all of them
+see the same machine conditions; the first --warmup steps of each are not timed. Prints, per
+strategy: p50/p95 step time, the ratio of medians to ddp and to the compute-only floor,
+measured memory per rank by category (after a step, optimizer state allocated), and comm bytes
+per rank per step next to the 2Ψ(N−1)/N theory.
+
+The floor is ddp's own step with its gradient all-reduce switched off (every micro-batch under
+DDP's no_sync): the same model, per-rank batch, kernels and optimizer, and no communication. A
+strategy's ratio to it is what its collectives and bookkeeping cost on top of the compute; a
+ZeRO stage that shards the optimizer's work can go below it, since the floor updates every
+parameter on every rank.
 """
 from __future__ import annotations
 
@@ -28,8 +34,18 @@ from zerolab.config import compose  # noqa: E402
 from zerolab.stats import percentile  # noqa: E402
 from zerolab.trainer import Trainer  # noqa: E402
 
+FLOOR = "floor (no comm)"
+
 DEFAULTS = ["model=gpt_small", "data=synthetic", "data.micro_batch=8", "precision=fp32",
             "logging.wandb.mode=disabled", "logging.progress=false", "run.save_model=false"]
+
+
+def one_step(name: str, tr: Trainer, step: int) -> None:
+    if name == FLOOR:
+        with tr.strategy.no_sync():  # ddp without its all-reduce: compute only
+            tr.train_step(step)
+    else:
+        tr.train_step(step)
 
 
 def interleaved(trainers: dict, steps: int, warmup: int, ctx) -> dict[str, list[float]]:
@@ -39,7 +55,7 @@ def interleaved(trainers: dict, steps: int, warmup: int, ctx) -> dict[str, list[
             ctx.synchronize()
             torch.distributed.barrier()
             t0 = time.perf_counter()
-            tr.train_step(step)
+            one_step(name, tr, step)
             ctx.synchronize()
             dt = time.perf_counter() - t0
             if step >= warmup:
@@ -51,7 +67,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--strategies", default="ddp,zero1,zero2")
+    p.add_argument("--strategies", default="ddp,zero1,zero2,zero3")
+    p.add_argument("--no-floor", action="store_true", help="skip the compute-only floor")
     p.add_argument("overrides", nargs="*")
     args = p.parse_args()
     os.environ.setdefault("WANDB_MODE", "disabled")
@@ -60,9 +77,11 @@ def main() -> None:
     tmp = tempfile.mkdtemp(prefix="zerolab-bench-") if ctx.is_main else None
     tmp = ctx.broadcast_object(tmp)
     trainers = {}
-    for name in args.strategies.split(","):
-        cfg = compose(DEFAULTS + args.overrides + [f"strategy={name}", f"trainer.max_steps={args.steps}",
-                                                    f"run.dir={tmp}/{name}"])
+    names = args.strategies.split(",") + ([] if args.no_floor else [FLOOR])
+    for i, name in enumerate(names):
+        strategy = "ddp" if name == FLOOR else name
+        cfg = compose(DEFAULTS + args.overrides + [f"strategy={strategy}", f"trainer.max_steps={args.steps}",
+                                                    f"run.dir={tmp}/{i}"])
         trainers[name] = Trainer(cfg, ctx)
     times = interleaved(trainers, args.steps, args.warmup, ctx)
     for tr in trainers.values():
@@ -70,7 +89,7 @@ def main() -> None:
     # one more step each, to read one step's comm bytes and the memory right after it
     comm, mem = {}, {}
     for name, tr in trainers.items():
-        tr.train_step(args.steps)
+        one_step(name, tr, args.steps)
         comm[name] = tr.strategy.comm.pop_step()
         mem[name] = ctx.gather_objects(tr.strategy.memory())
     if ctx.is_main:
@@ -87,21 +106,25 @@ def report(base, ctx, trainers, times, comm, mem, args) -> None:
           f"{base.model.block_size} tokens, accum {base.trainer.grad_accum_steps}, precision {base.precision.name}, "
           f"bucket {base.strategy.bucket_mb} MB, {args.steps - args.warmup} timed steps each, interleaved")
     ddp_p50 = statistics.median(times["ddp"]) if "ddp" in times else None
-    print("\n| strategy | p50 s/step | p95 s/step | p50 ÷ ddp | comm MB/step/rank | ÷ theory |")
-    print("|---|---:|---:|---:|---:|---:|")
+    floor_p50 = statistics.median(times[FLOOR]) if FLOOR in times else None
+    print("\n| strategy | p50 s/step | p95 s/step | p50 ÷ ddp | p50 ÷ floor | comm MB/step/rank | ÷ theory |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
     elem = 2 if base.precision.name in ("bf16", "fp16") else 4
     theory = theory_bytes_per_step(psi, elem, n)
     for name, ts in times.items():
         p50, p95 = statistics.median(ts), percentile(ts, 95)
         ratio = f"{p50 / ddp_p50:.3f}" if ddp_p50 else "-"
+        to_floor = f"{p50 / floor_p50:.3f}" if floor_p50 else "-"
         c = comm[name].get("total", 0.0)
-        print(f"| {name} | {p50:.4f} | {p95:.4f} | {ratio} | {c / 1e6:.2f} | "
-              f"{c / theory:.3f} |" if theory else f"| {name} | {p50:.4f} | {p95:.4f} | {ratio} | 0 | - |")
+        vs_theory = f"{c / theory:.3f}" if theory and c else "-"
+        print(f"| {name} | {p50:.4f} | {p95:.4f} | {ratio} | {to_floor} | {c / 1e6:.2f} | {vs_theory} |")
     cats = ("params", "grads", "master", "optim_state", "buffers", "model_states")
     print("\nmemory per rank after a step, MB (" + ", ".join(cats) + ")")
     print("| strategy | rank | " + " | ".join(cats) + " |")
     print("|---|---:|" + "---:|" * len(cats))
     for name, per_rank in mem.items():
+        if name == FLOOR:
+            continue  # ddp's memory
         for r, m in enumerate(per_rank):
             print(f"| {name} | {r} | " + " | ".join(f"{m[c] / 1e6:.1f}" for c in cats) + " |")
 
