@@ -1,0 +1,153 @@
+"""`python -m zerolab compare`: report.md, report.json and the PNGs from run or sweep directories,
+optionally mirrored to one wandb run."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Optional
+
+from zerolab.report.figures import plot_comm, plot_loss, plot_loss_diff, plot_memory, plot_step_time
+from zerolab.report.intervals import bootstrap_ratio
+from zerolab.report.parity import parity
+from zerolab.report.runs import (Run, compute_stats, find_run_dirs, label_runs, load_run, merge_rounds,
+                                 strategy_class, sweep_info)
+from zerolab.report.tables import machine_line, memory_table, parity_table, peak_table, summary_table, timing_table
+
+
+def build_report(paths: list[str], out: str, baseline: Optional[str] = None, wandb_mode: str = "disabled") -> dict:
+    dirs = find_run_dirs(paths)
+    if not dirs:
+        raise FileNotFoundError(f"no run directories (with metrics.jsonl) under {', '.join(paths)}")
+    rounds, loads = sweep_info(paths)
+    runs = [load_run(d) for d in dirs]
+    for r in runs:
+        r.round = rounds.get(r.path.resolve(), 0)
+    label_runs(runs)
+    runs = merge_rounds(runs)
+    for r in runs:
+        compute_stats(r)
+    if baseline:
+        matches = [r for r in runs if r.label == baseline or r.strategy == baseline]
+        if not matches:
+            raise ValueError(f"--baseline {baseline!r} matches no run; runs: {', '.join(r.label for r in runs)}")
+        base = matches[0]
+    else:
+        base = next((r for r in runs if getattr(strategy_class(r.strategy), "reference", False)), runs[0])
+    for r in runs:
+        r.stats["timing"] = bootstrap_ratio(r.stats["rounds"], base.stats["rounds"])
+    par = {r.label: ({"status": "baseline"} if r is base else parity(r, base)) for r in runs}
+    out_dir = Path(out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    figures = {"loss": plot_loss(runs, base, out_dir), "loss_diff": plot_loss_diff(runs, base, out_dir),
+               "memory": plot_memory(runs, out_dir), "step_time": plot_step_time(runs, base, out_dir),
+               "comm": plot_comm(runs, out_dir)}
+    table, ptable, mtable = summary_table(runs, base, par), parity_table(runs, base, par), memory_table(runs)
+    ttable, machine = timing_table(runs, base), machine_line(runs, loads)
+    b = base.summary
+    conditions = (f"{b.get('model', '?')} ({b.get('n_params', '?')} params), world {base.world}, "
+                  f"global batch {b.get('global_batch', '?')}, {b.get('steps', '?')} steps, "
+                  f"optimizer {b.get('optimizer', '?')}; baseline: {base.label}")
+    md = [f"# Strategy comparison\n\n{conditions}\n\n{machine}\n",
+          "Step times exclude the first step; p50 ÷ base is the median step time over the baseline's, "
+          "with its 95 % bootstrap interval (~: within noise). Memory is the measured model states on rank 0 (the predicted "
+          "ledger in brackets, when the run logged one). Comm is bytes sent by rank 0 per step, ring-cost "
+          "model, against 2Ψ(N−1)/N × gradient bytes.\n", table,
+          "\n## Parity\n",
+          "Function space first: every run evaluated the same fixed held-out batches at the end "
+          "(zerolab.digest); Δeval-loss is the largest per-batch loss difference, max abs Δlogit the "
+          "largest logit difference (in brackets: relative to the baseline's largest logit). Then the "
+          "final weights: max rel Δparam = max over tensors of max|Δ| / max|baseline|, over elements whose "
+          "gradient fp32 can resolve. Elements whose gradient is at rounding-noise level (found by each "
+          "run's float64/fp32 gradient probe, e.g. the key third of attn.qkv.bias, whose true gradient is "
+          "zero) drift apart under any change of summation order: they are listed apart, with their Δ, and "
+          "do not decide the verdict. Tolerances: fp32 1e-4 (function) / 1e-5 (weights); 16-bit loosely.\n",
+          ptable, "\n## Step time against the baseline\n",
+          "Ratio of p50 step times with a 95 % bootstrap interval (resampling rounds, then steps within "
+          "them; seeded, so the same data gives the same verdict). \"within noise\" unless the interval "
+          "excludes 1.0. With one round the interval holds only the spread between steps of each run, "
+          "not a change of the machine's load between runs: run the sweep with hydra.launcher.rounds=2 "
+          "(or more) to pool rounds in alternating order.\n", ttable,
+          "\n## Memory per rank (MiB)\n", mtable,
+          "\n## Peak memory of a step per rank (MiB)\n",
+          "Measured: the model states the strategy holds + the activations saved for backward (measured) + the "
+          "transients of the same moment (the loss's logits buffers, a recomputed block with checkpointing, the "
+          "buffers the strategy recorded); predicted: the planner's composition for the run (zerolab/memory/peak.py).\n",
+          peak_table(runs), "\n## Figures\n"]
+    md += [f"![{k}]({p.name})" for k, p in figures.items()]
+    md += ["\n## Runs\n"] + [f"- {r.label}: `{r.path}`" + "".join(f", `{x.path}`" for x in r.repeats) for r in runs]
+    (out_dir / "report.md").write_text("\n".join(md) + "\n")
+    result = {"report": str(out_dir / "report.md"), "figures": {k: str(v) for k, v in figures.items()},
+              "table": table, "parity": par, "baseline": base.label, "runs": [r.label for r in runs],
+              "timing": {r.label: r.stats["timing"] for r in runs}, "machine": machine, "loadavg": loads}
+    (out_dir / "report.json").write_text(json.dumps({k: v for k, v in result.items() if k != "table"},
+                                                    indent=2, default=str))
+    if wandb_mode != "disabled":
+        log_to_wandb(runs, result, wandb_mode, paths)
+    return result
+
+def log_to_wandb(runs: list[Run], result: dict, mode: str, paths: list[str]) -> None:
+    """The report's figures and tables as one wandb run in the sweep's group (job_type=report)."""
+    import wandb
+
+    if mode == "auto":
+        mode = "online" if os.environ.get("WANDB_API_KEY") else "offline"
+    w = runs[0].config.get("logging", {}).get("wandb", {})
+    sweep = Path(paths[0]).resolve().name
+    group = f"{runs[0].config.get('experiment', 'default')}/{sweep}"
+    run = wandb.init(project=w.get("project", "zerolab"), entity=w.get("entity") or None, group=group,
+                     job_type="report", name=f"report-{sweep}", dir=str(Path(result["report"]).parent), mode=mode,
+                     reinit="finish_previous")
+    run.log({k: wandb.Image(v) for k, v in result["figures"].items()})
+    cols = ["run", "strategy", "precision", "p50_s", "p95_s", "p99_s", "p50_ratio", "ratio_lo", "ratio_hi",
+            "timing", "tokens_per_s", "d_eval_loss", "max_dlogit", "max_rel_dparam", "parity"]
+    rows = []
+    for r in runs:
+        t, p = r.stats["timing"], result["parity"][r.label]
+        rows.append([r.label, r.strategy, r.precision, r.stats["p50"], r.stats["p95"], r.stats["p99"], t["ratio"],
+                     t["lo"], t["hi"], t["verdict"], r.stats["tokens_per_s"], p.get("d_eval_loss"),
+                     p.get("max_dlogit"), p.get("max_rel"), p["status"]])
+    run.log({"summary": wandb.Table(columns=cols, data=rows)})
+    run.finish()
+
+
+def cli_main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="python -m zerolab compare",
+                                description="compare zerolab runs: report.md + PNGs (loss, memory, time, comm, parity)")
+    p.add_argument("paths", nargs="+", help="run directories and/or sweep directories")
+    p.add_argument("--out", default="report", help="output directory (default: report/)")
+    p.add_argument("--baseline", default=None, help="label or strategy of the baseline run (default: the reference strategy's run)")
+    p.add_argument("--wandb", default="runs", choices=["runs", "auto", "online", "offline", "disabled"],
+                   help="log figures to wandb; 'runs' (default): as the runs were configured")
+    p.add_argument("--fail-on-mismatch", action="store_true", help="exit 1 when a parity check fails")
+    args = p.parse_args(argv)
+    try:
+        mode = args.wandb
+        if mode == "runs":
+            first = find_run_dirs(args.paths)[:1]
+            mode = load_run(first[0]).config.get("logging", {}).get("wandb", {}).get("mode", "disabled") \
+                if first else "disabled"
+            if os.environ.get("WANDB_MODE") == "disabled":
+                mode = "disabled"
+        result = build_report(args.paths, args.out, args.baseline, mode)
+    except (FileNotFoundError, ValueError) as err:
+        print(f"zerolab compare: {err}", file=sys.stderr)
+        return 2
+    print(result["table"])
+    print(f"\nreport: {result['report']}")
+    print("figures: " + " ".join(result["figures"].values()))
+    print(result["machine"])
+    for k, t in result["timing"].items():
+        if k != result["baseline"] and t["verdict"] != "no timings":
+            print(f"step time {k}: {t['ratio']:.3f} x {result['baseline']} "
+                  f"[{t['lo']:.3f}, {t['hi']:.3f}] {t['verdict']}")
+    bad = [k for k, v in result["parity"].items() if v["status"] == "MISMATCH"]
+    if bad:
+        print(f"parity MISMATCH against {result['baseline']}: {', '.join(bad)}", file=sys.stderr)
+        for k in bad:
+            v = result["parity"][k]
+            print(f"  {k}: {v.get('detail', '')}" + (f"; cause: {v['cause']}" if v.get("cause") else ""),
+                  file=sys.stderr)
+    return 1 if bad and args.fail_on_mismatch else 0

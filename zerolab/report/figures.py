@@ -1,0 +1,161 @@
+"""The report's PNGs (matplotlib, imported only when a figure is drawn)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from zerolab.memory import CATEGORIES
+from zerolab.report.runs import Run, series
+
+
+COLORS = {"params": "#4c72b0", "grads": "#dd8452", "master": "#55a868", "optim_state": "#c44e52", "buffers": "#8172b3"}
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _save(plt, fig, path: Path) -> Path:
+    """Every figure ends the same way: tight layout, a PNG at 110 dpi, the figure closed."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+STYLES = ["-", "--", "-.", ":"]
+MARKERS = ["o", "s", "^", "v", "D", "P", "X", "*"]
+
+
+def plot_loss(runs: list[Run], base: Run, out: Path) -> Path:
+    """Train loss, its difference from the baseline, and eval loss. Runs that agree draw the same
+    curve: each run gets its own line style, marker and width (earlier runs wider, markers at
+    staggered steps) so every one stays visible, and the middle panel (Δ against the baseline)
+    shows how far apart they are."""
+    plt = _plt()
+    fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(16, 4.8))
+    ref = dict(series(base, "loss"))
+    for i, r in enumerate(runs):
+        # drawn first = drawn widest: a later run on the same curve leaves a rim of every earlier one
+        wider = len(runs) - 1 - i
+        style = dict(ls=STYLES[i % len(STYLES)], marker=MARKERS[i % len(MARKERS)], label=r.label)
+        wide = dict(ms=4 + 1.5 * wider, lw=1.2 + 0.8 * wider, alpha=0.9)
+        s = series(r, "loss")
+        every = max(1, len(s) // 8)
+        stagger = (i * every // max(1, len(runs)), every)
+        ax1.plot([x for x, _ in s], [y for _, y in s], markevery=stagger, **style, **wide)
+        d = [(x, y - ref[x]) for x, y in s if x in ref]  # apart already: plain lines
+        ax2.plot([x for x, _ in d], [y for _, y in d], markevery=stagger, ms=4, lw=1.2, **style)
+        e = series(r, "eval_loss")
+        ax3.plot([x for x, _ in e], [y for _, y in e], **style, **wide)
+    ax1.set(title="train loss (mean over ranks)", xlabel="step", ylabel="loss")
+    ax2.axhline(0, color="k", lw=0.6)
+    ax2.set(title=f"train loss minus {base.label}'s", xlabel="step", ylabel="Δ loss")
+    ax3.set(title="eval loss", xlabel="step", ylabel="loss")
+    lo, hi = ax3.get_ylim()
+    if hi - lo < 0.02:  # runs that agree to 1e-7 would fill the panel with their rounding: widen
+        mid = (lo + hi) / 2
+        ax3.set_ylim(mid - 0.01, mid + 0.01)
+    ax3.ticklabel_format(axis="y", useOffset=False)
+    for ax in (ax1, ax2, ax3):
+        ax.legend(fontsize=8)
+    return _save(plt, fig, out / "loss.png")
+
+
+def plot_loss_diff(runs: list[Run], base: Run, out: Path) -> Path:
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    ref = dict(series(base, "loss"))
+    for i, r in enumerate(runs):
+        if r is base:
+            continue
+        s = [(x, y - ref[x]) for x, y in series(r, "loss") if x in ref]
+        ax.plot([x for x, _ in s], [y for _, y in s], label=r.label, lw=1.2, ls=STYLES[i % len(STYLES)],
+                marker=MARKERS[i % len(MARKERS)], ms=4, markevery=max(1, len(s) // 8))
+    ax.axhline(0, color="k", lw=0.6)
+    ax.set(title=f"train loss minus {base.label}'s, per step", xlabel="step", ylabel="Δ loss")
+    ax.legend(fontsize=8)
+    return _save(plt, fig, out / "loss_diff.png")
+
+
+def plot_memory(runs: list[Run], out: Path) -> Path:
+    """Horizontal stacked bars, grouped per run: for each rank the measured bytes and, right
+    below, the predicted ledger, each bar labelled with its run, rank and kind."""
+    plt = _plt()
+    rows = []  # (label, categories, predicted?), top to bottom; None: a gap between runs
+    for r in runs:
+        for rank, mem in enumerate(r.stats["mem"]):
+            rows.append((f"{r.label} · rank {rank} · measured", mem, False))
+            if rank < len(r.stats["mem_pred"]):
+                rows.append((f"{r.label} · rank {rank} · predicted", r.stats["mem_pred"][rank], True))
+        rows.append(None)
+    rows = rows[:-1]
+    fig, ax = plt.subplots(figsize=(11, max(3.5, 0.32 * len(rows) + 1.5)))
+    ys = list(range(len(rows)))[::-1]
+    seen = set()
+    for y, row in zip(ys, rows):
+        if row is None:
+            continue
+        _, mem, predicted = row
+        left = 0.0
+        for c in CATEGORIES:
+            v = mem.get(c, 0) / 2**20
+            ax.barh(y, v, left=left, color=COLORS[c], alpha=0.5 if predicted else 1.0, height=0.8,
+                    hatch="//" if predicted else None, edgecolor="white", label=None if c in seen else c)
+            seen.add(c)
+            left += v
+        ax.text(left, y, f" {left:.2f}", va="center", fontsize=8)
+    ax.set_yticks([y for y, row in zip(ys, rows) if row], [row[0] for row in rows if row], fontsize=9)
+    ax.set(title="model states per rank by category (solid: measured; hatched, faded: predicted ledger)",
+           xlabel="MiB")
+    ax.margins(x=0.12)
+    ax.legend(fontsize=8, loc="lower right")
+    return _save(plt, fig, out / "memory.png")
+
+
+def plot_step_time(runs: list[Run], base: Run, out: Path) -> Path:
+    """Left: p50 step time per run (p95, p99 as markers). Right: p50 over the baseline's with its
+    95 % bootstrap interval; a caveat in the title when every interval holds 1.0."""
+    plt = _plt()
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(max(11, 1.6 * len(runs) + 4), 4.8))
+    xs = list(range(len(runs)))
+    ax1.bar(xs, [r.stats["p50"] * 1e3 for r in runs], 0.6, color="#4c72b0", label="p50")
+    ax1.scatter(xs, [r.stats["p95"] * 1e3 for r in runs], marker="_", s=300, color="#dd8452", label="p95", zorder=3)
+    ax1.scatter(xs, [r.stats["p99"] * 1e3 for r in runs], marker="_", s=300, color="#c44e52", label="p99", zorder=3)
+    ax1.set_xticks(xs, [r.label for r in runs], fontsize=9, rotation=20, ha="right")
+    ax1.set(title="step time (first step excluded)", ylabel="ms")
+    ax1.legend(fontsize=8)
+    others = [r for r in runs if r is not base]
+    t = [r.stats["timing"] for r in others]
+    ox = list(range(len(others)))
+    ratios = [x["ratio"] for x in t]
+    err = [[max(0.0, x["ratio"] - x["lo"]) for x in t], [max(0.0, x["hi"] - x["ratio"]) for x in t]]
+    colors = ["#999999" if x["verdict"] == "within noise" else "#4c72b0" for x in t]
+    ax2.bar(ox, ratios, 0.6, color=colors, yerr=err, capsize=6, ecolor="k")
+    ax2.axhline(1.0, color="k", lw=0.8, ls="--")
+    for x, v in zip(ox, t):
+        ax2.annotate(v["verdict"], (x, v["hi"]), textcoords="offset points", xytext=(0, 4), ha="center", fontsize=8)
+    ax2.set_xticks(ox, [r.label for r in others], fontsize=9, rotation=20, ha="right")
+    caveat = "all within noise: no run measurably differs" if all(x["verdict"] == "within noise" for x in t) \
+        else "grey: within noise (interval holds 1.0)"
+    ax2.set(title=f"p50 ÷ {base.label}'s, 95 % bootstrap interval\n{caveat}", ylabel="ratio")
+    ax2.margins(y=0.15)
+    return _save(plt, fig, out / "step_time.png")
+
+
+def plot_comm(runs: list[Run], out: Path) -> Path:
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(runs) + 2), 4.5))
+    for i, r in enumerate(runs):
+        ax.bar(i - 0.2, r.stats["comm_per_step"][0] / 2**20 if r.stats["comm_per_step"] else 0, 0.4,
+               color="#4c72b0", label="measured (rank 0)" if i == 0 else None)
+        ax.bar(i + 0.2, r.stats["comm_theory"] / 2**20, 0.4, color="#bbbbbb",
+               label="theory 2Ψ(N−1)/N × grad bytes" if i == 0 else None)
+    ax.set_xticks(range(len(runs)), [r.label for r in runs], fontsize=8, rotation=20, ha="right")
+    ax.set(title="bytes sent per rank per step", ylabel="MiB")
+    ax.legend(fontsize=8)
+    return _save(plt, fig, out / "comm.png")

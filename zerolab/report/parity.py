@@ -1,0 +1,122 @@
+"""Parity against the baseline: function space first (the held-out digest each run saved),
+then the final weights, with rounding-noise-level elements listed apart, and a known cause."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+from zerolab.report.runs import Run, strategy_class
+
+
+# Parity tolerance on max relative |Δparam| against a baseline of the same precision. fp32 runs
+# of the same math agree to ~1e-7 (tests); 16-bit runs round differently on every path, so
+# their figure is shown for information with a loose bound.
+TOLERANCE = {"fp32": 1e-5, "bf16": 5e-2, "fp16": 5e-2, "bf16_pure": 5e-2}
+# Function-space tolerance on max |Δlogit| of the fixed held-out batches, relative to the
+# baseline's max |logit|. fp32 weights that agree to ~1e-7 (above) move logits by about as much
+# after a few layers; 1e-4 leaves three orders of magnitude for that while a real difference
+# (DeepSpeed + a client LAMB: weights 4e-2 apart) is far above it.
+FUNCTION_TOLERANCE = {"fp32": 1e-4, "bf16": 5e-2, "fp16": 5e-2, "bf16_pure": 5e-2}
+
+
+def _load(path: Path) -> Optional[dict]:
+    from safetensors.torch import load_file
+
+    return load_file(str(path)) if path.exists() else None
+
+
+def function_parity(run: Run, base: Run) -> Optional[dict]:
+    """Δ of the end-of-run digest (zerolab.digest): the same fixed held-out batches through both
+    final models. None when either run has no digest (runs from before it existed)."""
+    a, b = _load(run.path / "eval_logits.safetensors"), _load(base.path / "eval_logits.safetensors")
+    if a is None or b is None or a.keys() != b.keys():
+        return None
+    keys = [k for k in a if k.startswith("logits/")]
+    if any(a[k].shape != b[k].shape for k in keys):
+        return None
+    d_logit = max((a[k].double() - b[k].double()).abs().max().item() for k in keys)
+    scale = max(b[k].double().abs().max().item() for k in keys)
+    d_loss = (a["loss"].double() - b["loss"].double()).abs().max().item()
+    return {"max_dlogit": d_logit, "rel_dlogit": d_logit / max(scale, 1e-12), "d_eval_loss": d_loss}
+
+
+def noise_elements(run: Run) -> Optional[dict]:
+    """{tensor: flat indices} of elements whose gradient is at fp32 rounding level (the run's
+    grad_noise.safetensors), or None when the run did not probe."""
+    found = _load(run.path / "grad_noise.safetensors")
+    return None if found is None else {k: v for k, v in found.items() if k != "_none"}
+
+
+def known_cause(run: Run, base: Run) -> str:
+    """A cause zerolab knows for a real difference, or ''."""
+    for r in (run, base):
+        cls = strategy_class(r.strategy)
+        cause = cls.known_cause(r.config) if cls else ""
+        if cause:
+            return f"{r.label}: {cause}"
+    return ""
+
+
+def parity(run: Run, base: Run) -> dict:
+    """Function space first (Δ of the fixed held-out logits and losses), then the final weights:
+    max |Δ| and max relative |Δ| (per tensor: max|Δ| / max|base|) over elements whose gradient is
+    not at rounding-noise level; those are shown apart (see zerolab.digest)."""
+    import torch
+
+    a, b = _load(run.path / "model.safetensors"), _load(base.path / "model.safetensors")
+    if a is None or b is None:
+        return {"status": "no weights"}
+    if a.keys() != b.keys():
+        return {"status": "MISMATCH", "detail": f"different tensors: {sorted(a.keys() ^ b.keys())[:5]}",
+                "max_abs": float("inf"), "max_rel": float("inf"), "worst": "", "tol": 0.0}
+    na, nb = noise_elements(run), noise_elements(base)
+    noise = {k: torch.unique(torch.cat([x[k] for x in (na, nb) if x and k in x])) for k in {*(na or {}), *(nb or {})}}
+    worst, max_abs, max_rel, rel_by, noise_rows = "", 0.0, 0.0, {}, []
+    for k in a:
+        x, y = a[k].double().flatten(), b[k].double().flatten()
+        if a[k].shape != b[k].shape:
+            return {"status": "MISMATCH", "detail": f"{k}: shape {tuple(a[k].shape)} vs {tuple(b[k].shape)}",
+                    "max_abs": float("inf"), "max_rel": float("inf"), "worst": k, "tol": 0.0}
+        diff = (x - y).abs()
+        scale = max(y.abs().max().item(), 1e-12)
+        if k in noise:
+            idx = noise[k]
+            noise_rows.append({"tensor": k, "elements": int(idx.numel()), "of": int(diff.numel()),
+                               "max_abs": diff[idx].max().item(), "max_rel": diff[idx].max().item() / scale})
+            keep = torch.ones_like(diff, dtype=torch.bool)
+            keep[idx] = False
+            diff = diff[keep]
+        d = diff.max().item() if diff.numel() else 0.0
+        rel_by[k] = d / scale
+        max_abs = max(max_abs, d)
+        if rel_by[k] > max_rel or not worst:
+            worst, max_rel = k, rel_by[k]
+    same_prec = run.precision == base.precision
+    tol = TOLERANCE.get(run.precision, 1e-5) if same_prec else float("nan")
+    ftol = FUNCTION_TOLERANCE.get(run.precision, 1e-4) if same_prec else float("nan")
+    fn = function_parity(run, base)
+    out = {"max_abs": max_abs, "max_rel": max_rel, "worst": worst, "tol": tol, "function_tol": ftol,
+           "noise_level": noise_rows, "noise_probe": na is not None or nb is not None, **(fn or {})}
+    same = [(run.summary.get(k), base.summary.get(k)) for k in ("steps", "global_batch", "model", "optimizer")]
+    if not same_prec:
+        out["status"] = "n/a (precision differs)"
+        return out
+    if any(x != y for x, y in same):
+        out["status"] = "n/a (steps/batch/model/optimizer differ)"
+        return out
+    off = sorted((k for k, r in rel_by.items() if r > tol), key=lambda k: -rel_by[k])
+    fn_off = fn is not None and fn["rel_dlogit"] > ftol
+    out["status"] = "MISMATCH" if off or fn_off else "match"
+    if out["status"] == "MISMATCH":
+        what = []
+        if fn is not None:
+            what.append(f"function: max |Δlogit| {fn['max_dlogit']:.2e} ({fn['rel_dlogit']:.1e} of the logit "
+                        f"scale), Δeval-loss {fn['d_eval_loss']:.2e}" + ("" if fn_off else " (within tolerance)"))
+        if off:
+            what.append(f"{len(off)} tensor(s) above {tol:.0e}: " +
+                        ", ".join(f"{k} {rel_by[k]:.1e}" for k in off[:3]) + (" ..." if len(off) > 3 else ""))
+        cause = known_cause(run, base)
+        out["detail"] = "; ".join(what)
+        if cause:
+            out["cause"] = cause
+    return out
