@@ -56,19 +56,21 @@ def test_zero3_by_hand(world):
     n = 1001
     shard = math.ceil(n / world)
     assert predict(shape_from_params(n), "zero3", world, "bf16", state_elements=2).bytes() == \
-        by_hand(2 * shard, 4 * shard, 4 * shard, 8 * shard)  # the gradient shard is fp32, as in zero1/2
+        by_hand(2 * shard, 2 * shard, 4 * shard, 8 * shard)  # the gradient shard in the reduce dtype: bf16
+    assert predict(shape_from_params(n), "zero3", world, "bf16", state_elements=2, reduce_dtype="fp32").bytes() == \
+        by_hand(2 * shard, 4 * shard, 4 * shard, 8 * shard)  # reduced and summed in fp32: an fp32 shard
     assert predict(shape_from_params(n), "zero3", world, "fp32", state_elements=2).bytes() == \
         by_hand(4 * shard, 4 * shard, 0, 8 * shard)  # fp32: the chunk the optimizer updates is the weights
 
 
 @pytest.mark.parametrize("world", [1, 4, 8, 64])
 def test_paper_table(world):
-    """Mixed-precision AdamW (K = 12) with Ψ divisible by N: the ZeRO paper's per-rank bytes, and
-    zerolab's sharder above it by exactly its fp32 gradient shard (documented in the ledger)."""
+    """Mixed-precision AdamW (K = 12) with Ψ divisible by N: the ZeRO paper's per-rank bytes; zero3
+    equals it, zero1/zero2 are above it by exactly their fp32 gradient shard (documented in the ledger)."""
     n = 64 * 10 ** 6
     ms = lambda s: predict(shape_from_params(n), s, world, "bf16", "adamw", bucket_mb=BIG).bytes()["model_states"]
     assert ms("ddp") == (2 + 2 + 12) * n
-    assert ms("zero3") - (4 + 12) * n // world == 2 * n // world  # paper: a 16-bit gradient shard
+    assert ms("zero3") == (2 + 2 + 12) * n // world  # the paper's (2 + 2 + K)Ψ/N: a 16-bit gradient shard
     assert ms("zero1") - (4 * n + 12 * n // world) == 4 * n // world  # paper: no separate gradient shard
     assert ms("zero2") - (2 * n + 14 * n // world) == 2 * n // world  # paper: a 16-bit gradient shard
 
@@ -193,7 +195,7 @@ def test_paper_column_reproduces_figure_1(tmp_path, monkeypatch, capsys):
     rows = {line.split()[0]: line.split()[-2:] for line in table.splitlines()
             if line.split() and line.split()[0] in ("ddp", "zero1", "zero2", "zero3")}
     assert rows == {"ddp": ["120.0", "120.0"], "zero1": ["31.4", "31.9"], "zero2": ["16.6", "16.9"],
-                    "zero3": ["1.9", "2.1"]}  # paper, ledger
+                    "zero3": ["1.9", "1.9"]}  # paper, ledger
     assert "zero2        grads +234.38 MB (+2Ψ/N): zerolab's gradient shard is fp32 (4Ψ/N)" in out
     assert "zero1        grads +468.75 MB (+4Ψ/N)" in out and "ddp          same as the paper" in out
     assert list(tmp_path.iterdir()) == []  # memory_sweep.png only with --plot
@@ -207,7 +209,7 @@ def test_paper_column_reproduces_figure_1(tmp_path, monkeypatch, capsys):
 
 @pytest.mark.parametrize("strategy,paper_gb,ledger_gb,deepspeed", [
     ("ddp", "120.0 GB", "120.0 GB", None), ("zero1", "31.4 GB", "31.9 GB", "16.6 GB"),
-    ("zero2", "16.6 GB", "16.9 GB", "16.6 GB"), ("zero3", "1.9 GB", "2.1 GB", "1.9 GB")])
+    ("zero2", "16.6 GB", "16.9 GB", "16.6 GB"), ("zero3", "1.9 GB", "1.9 GB", "1.9 GB")])
 def test_paper_beside_each_strategy(capsys, strategy, paper_gb, ledger_gb, deepspeed):
     """--strategy: the paper's formula and figure, zerolab's, and DeepSpeed's at the same stage."""
     from zerolab.memory import cli_main
@@ -225,7 +227,7 @@ def test_paper_beside_each_strategy(capsys, strategy, paper_gb, ledger_gb, deeps
     data = json.loads(capsys.readouterr().out)
     assert data["paper_bytes"] == {"ddp": 120 * 10 ** 9, "zero1": 31_406_250_000, "zero2": 16_640_625_000,
                                    "zero3": 1_875_000_000}[strategy]
-    assert data["vs_paper"].startswith("same as the paper") == (strategy == "ddp")
+    assert data["vs_paper"].startswith("same as the paper") == (strategy in ("ddp", "zero3"))
 
 
 @pytest.mark.parametrize("precision,k_bytes", [("fp32", 8), ("bf16", 12), ("bf16_pure", 4)])

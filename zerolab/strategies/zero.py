@@ -175,6 +175,10 @@ class ZeroStrategy(Strategy):
                                                end=b.shard_pos + end - lo, offset=start - off))
         return groups
 
+    def _grad_shard(self, group: int) -> torch.Tensor:
+        """Where group `group`'s reduce-scattered gradient chunks are summed: the fp32 shard."""
+        return self.groups[group].master.grad
+
     def _allreduce(self, t: torch.Tensor) -> None:
         self.comm.record("all_reduce", t)
         dist.all_reduce(t)
@@ -238,14 +242,14 @@ class ZeroStrategy(Strategy):
         self.pending.append((work, out, b, buf))
 
     def _drain(self, block: bool = True) -> None:
-        """Collect launched reductions, oldest first, and add each averaged chunk into the fp32
-        gradient shard. Without `block`, stop at the first one still in flight. (Each bucket
-        owns its own region of the shard, and a bucket's micro-batches are always collected in
-        launch order, so the sums do not depend on when this runs.)"""
+        """Collect launched reductions, oldest first, and add each averaged chunk into the
+        gradient shard (_grad_shard). Without `block`, stop at the first one still in flight.
+        (Each bucket owns its own region of the shard, and a bucket's micro-batches are always
+        collected in launch order, so the sums do not depend on when this runs.)"""
         while self.pending and (block or self.pending[0][0].is_completed()):
             work, out, b, buf = self.pending.popleft()
             work.wait()
-            self.groups[b.group].master.grad[b.shard_pos:b.shard_pos + b.chunk].add_(out)
+            self._grad_shard(b.group)[b.shard_pos:b.shard_pos + b.chunk].add_(out)
             self._transient_free(out.untyped_storage().nbytes()
                                  + (buf.untyped_storage().nbytes() if buf is not b.flat_grads else 0))
             b.comm_buf = None  # zero2: the bucket's memory goes back to the allocator

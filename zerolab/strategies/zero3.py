@@ -24,9 +24,18 @@ Per micro-batch, for every unit:
             before the unit's own backward starts: it all-gathers the unit again (a no-op when it
             was kept) and prefetches the next unit in backward order. Autograd saved the weights
             as views of the same storage, so backward reads the re-gathered values. Each
-            parameter's gradient goes into its bucket and is reduce-scattered into the fp32
-            gradient shard exactly as in zero2; when the last parameter of the unit has its
-            gradient, nothing will read the unit's weights again and it is freed.
+            parameter's gradient goes into its bucket and is reduce-scattered into the gradient
+            shard as in zero2; when the last parameter of the unit has its gradient, nothing will
+            read the unit's weights again and it is freed.
+The gradient shard is kept in the dtype the reduce-scatter delivers (strategy.reduce_dtype):
+with bf16/fp16 mixed precision and reduce_dtype=auto that is 16-bit, the paper's 2Ψ/N, so the
+model states are its (2 + 2 + K)Ψ/N (1.9 GB per GPU for 7.5B parameters on 64 GPUs). The step
+converts it to fp32 for the optimizer (unscale, clip norm and update all run in fp32), a copy
+that lives only during the step. The price: with gradient accumulation the micro-batches are
+summed in 16-bit. strategy.reduce_dtype=fp32 reduces and sums in fp32 instead, as zero1/2 always
+do (4Ψ/N: 2.1 GB in the example). Without mixed precision nothing changes: the shard is fp32
+(bf16 for bf16_pure), the dtype the optimizer updates.
+
 So a micro-batch moves 2Ψ all-gathered (Ψ with reshard_after_forward=false) and Ψ reduce-scattered
 elements: 3Ψ(N-1)/N per rank (2Ψ(N-1)/N), the paper's 1.5x of DDP. With gradient accumulation
 every micro-batch does this (as zero2, gradients accumulate in the shard; nothing is ever whole).
@@ -55,6 +64,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -119,6 +129,15 @@ class Zero3Strategy(ZeroStrategy):
         self.bucket_of = {id(p): b for b in self.buckets for p, _, _ in b.params}
         self.offset_of = {id(p): off for b in self.buckets for p, _, off in b.params}
         self.groups = self._make_flat_groups(param_groups)  # fp32 master chunks, from the whole buffers
+        # The gradient shard in the reduce dtype (module docstring). When that is the dtype the
+        # optimizer updates, the shard is master.grad, as in zero2; otherwise master.grad exists
+        # only during the step, as an fp32 copy (_fp32_grads).
+        self.grad_shards = [g.master.grad if self.reduce_dtype == self.shard_dtype
+                            else torch.zeros(g.master.numel(), dtype=self.reduce_dtype, device=self.ctx.device)
+                            for g in self.groups]
+        if self.grad_shards and self.grad_shards[0] is not self.groups[0].master.grad:
+            for g in self.groups:
+                g.master.grad = None
         # The persistent weights: this rank's chunks in compute dtype, one flat tensor per group
         # laid out like the master shard. When the shard already is in compute dtype (fp32,
         # bf16_pure) it is the weights, and nothing is stored twice.
@@ -266,16 +285,41 @@ class Zero3Strategy(ZeroStrategy):
             self._free(unit)
             unit.arrived = 0
 
+    def _grad_shard(self, group: int) -> torch.Tensor:
+        return self.grad_shards[group]
+
     # ---- step -------------------------------------------------------------------------------
     def step(self, lr: float, stats_level: int = 0):
         self.set_lr(lr)
         self._drain()
-        info = self.unscale_clip_update([g.master.grad for g in self.groups], stats_level)
+        with self._fp32_grads():
+            info = self.unscale_clip_update([g.master.grad for g in self.groups], stats_level)
         if not info.skipped:
             self._refresh_local()  # the next forward all-gathers the new weights: no all-gather here
-        for g in self.groups:
-            g.master.grad.zero_()
+        for shard in self.grad_shards:
+            shard.zero_()
         return info
+
+    @contextmanager
+    def _fp32_grads(self):
+        """The optimizer's view of a 16-bit gradient shard: fp32 copies as master.grad, for the
+        step only (recorded as a step transient for peak accounting). Nothing to do when the
+        shard already is master.grad."""
+        copies = [(g, shard) for g, shard in zip(self.groups, self.grad_shards) if shard is not g.master.grad]
+        nbytes = sum(shard.numel() * 4 for _, shard in copies)
+        for g, shard in copies:
+            g.master.grad = shard.float()
+        self._transient_alloc(nbytes, "step")
+        try:
+            yield
+        finally:
+            for g, _ in copies:
+                g.master.grad = None
+            self._transient_free(nbytes)
+
+    def _materialise_optimizer_state(self) -> None:
+        with self._fp32_grads():  # zero.py's zero-gradient update needs master.grad
+            super()._materialise_optimizer_state()
 
     @torch.no_grad()
     def _refresh_local(self) -> None:
@@ -291,7 +335,7 @@ class Zero3Strategy(ZeroStrategy):
         self._wait_gathers()
         c = StorageCounter()
         c.add("params", self.local).add("params", (b.flat_params for b in self.buckets))
-        c.add("grads", (g.master.grad for g in self.groups))
+        c.add("grads", self.grad_shards)
         c.add("master", (g.master for g in self.groups)).add_optimizer(self.optimizer)
         c.add("buffers", (b.comm_buf for b in self.buckets)).add("buffers", self.model.buffers())
         return c.result()
@@ -320,15 +364,18 @@ class Zero3Strategy(ZeroStrategy):
         sizes = [size for _, _, _, size in pack_units(tensors, bucket_cap(bucket_mb, c), N)]
         shard = sum(sizes) // N
         s = 2 if precision == "bf16_pure" else 4  # bf16_pure updates a bf16 shard: no fp32 anywhere
-        sd = "bf16" if s == 2 else "fp32"
+        rb = 4 if reduce_dtype == "fp32" else c
+        gb = rb if precision in MIXED else s  # the gradient shard is kept in the reduce dtype
         p.add("params", shard * c, f"{dt} weights: this rank's chunk of every bucket, the only persistent copy: "
                                    f"{fmt_n(shard)} × {c}" + (" (it is the shard the optimizer updates)"
                                                               if precision not in MIXED else ""))
-        p.add("grads", shard * s, f"{sd} gradient shard (reduce-scattered into, as zero2): {fmt_n(shard)} × {s}")
+        p.add("grads", shard * gb, f"gradient shard in the reduce dtype (reduce-scattered into): {fmt_n(shard)} × {gb}")
         if precision in MIXED:
             p.add("master", shard * 4, f"fp32 master shard the optimizer updates: {fmt_n(shard)} × 4")
+        if gb != s:
+            p.add("transient", shard * s, f"fp32 copy of the gradient shard for the optimizer, during the step: "
+                                          f"{fmt_n(shard)} × {s}", when="step")
         p.add("optim_state", shard * k * s, f"optimizer state of the shard: {fmt_n(shard)} × {k:g} × {s}")
-        rb = 4 if reduce_dtype == "fp32" else c
         largest = sorted(sizes, reverse=True)  # upper bounds: the biggest buckets alive at once
         p.add("transient", sum(largest[:MAX_LIVE_BUCKETS]) * c,
               f"gathered buckets during forward/backward (the running unit, the root and a prefetch: at most "
@@ -342,13 +389,16 @@ class Zero3Strategy(ZeroStrategy):
         if shape.buffer_bytes:
             p.add("buffers", shape.buffer_bytes, "model buffers")
         why = []
-        if s != c:
-            why.append(f"zerolab's gradient shard is {sd} ({s}Ψ/N) where the paper's is {c}-byte ({c}Ψ/N)")
+        if gb != c:
+            why.append(f"the gradient shard is {gb}-byte ({gb}Ψ/N) where the paper's is {c}-byte ({c}Ψ/N)"
+                       + (" (strategy.reduce_dtype=fp32)" if precision in MIXED else ""))
         if sum(sizes) != n:
             why.append("buckets are packed per block and padded to multiples of N")
         p.why = "; ".join(why)
-        p.notes.append("vs the paper ((2 + 2 + K)Ψ/N in mixed precision): the gradient shard is fp32 (4Ψ/N), "
-                       "as in zerolab's zero1/zero2, so accumulation and the clip norm see fp32 sums")
+        if precision in MIXED:
+            p.notes.append("the gradient shard is kept in the reduce dtype: 16-bit with strategy.reduce_dtype=auto "
+                           "(the paper's 2Ψ/N; accumulation sums micro-batches in 16-bit, and the step makes an "
+                           "fp32 copy for the optimizer), fp32 with reduce_dtype=fp32 (4Ψ/N, fp32 sums)")
 
 
 def _tensors(output) -> list[torch.Tensor]:
