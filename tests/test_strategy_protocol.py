@@ -22,7 +22,7 @@ TINY = ["model=gpt_tiny", "trainer.eval_every=0", "data.micro_batch=2", "logging
 
 # ---- what each strategy declares ---------------------------------------------------------------
 def test_every_strategy_declares_format_settings_and_one_reference():
-    from zerolab.config import StrategyConfig
+    from zerolab.strategies.settings import StrategyConfig
     import dataclasses
 
     settable = {f"strategy.{f.name}" for f in dataclasses.fields(StrategyConfig) if f.name != "name"}
@@ -32,6 +32,9 @@ def test_every_strategy_declares_format_settings_and_one_reference():
         assert cls.checkpoint_format in ("pieces", "native", "none"), name
         assert cls.uses <= settable | set(STRATEGY_DEPENDENT), f"{name} uses unknown settings {cls.uses - settable}"
     assert reference_strategy() == "ddp"
+    # and no setting is orphaned: every strategy.* field is read by some strategy
+    used = set().union(*(strategy_class(name).uses for name in REGISTRY))
+    assert settable <= used, f"strategy settings no strategy uses: {sorted(settable - used)}"
     # torch_zero inherits DDP's checkpoint methods but must not write them (its optimizer state
     # lives on the rank owning each parameter): the class attribute says so, not a name list.
     assert strategy_class("torch_zero").checkpoint_format == "none"

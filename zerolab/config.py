@@ -22,6 +22,8 @@ from typing import Any, Dict, Iterable, List, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
+from zerolab.strategies.settings import StrategyConfig, check_strategy_settings  # strategy.*: the strategies' own schema
+
 
 log = logging.getLogger("zerolab")
 
@@ -65,22 +67,6 @@ class DataConfig:
     # 0: derived as micro_batch * grad_accum_steps * world_size. Set it to fix the global batch
     # and let zerolab derive grad_accum_steps (must divide exactly).
     global_batch: int = 0
-
-
-@dataclass
-class StrategyConfig:
-    name: str = MISSING  # a key of zerolab.strategies.REGISTRY
-    bucket_mb: float = 25.0  # DDP bucket cap / ZeRO reduce-scatter and all-gather bucket size
-    find_unused_parameters: bool = False  # ddp: parameters that may get no gradient
-    stage: int = 0  # deepspeed ZeRO stage
-    overlap_comm: bool = True
-    client_optimizer: bool = False  # deepspeed: allow zerolab's LAMB/LARS as a client optimizer
-    ds_config_overrides: Dict[str, Any] = field(default_factory=dict)
-    reduce_dtype: str = "auto"  # auto (= gradient dtype) | fp32
-    # zero3: free a unit's all-gathered weights after its forward and gather them again for its
-    # backward (3Ψ(N-1)/N sent per rank per micro-batch, one unit's weights alive at a time);
-    # false keeps them from forward until the unit's backward is done (2Ψ(N-1)/N, more memory).
-    reshard_after_forward: bool = True
 
 
 @dataclass
@@ -335,8 +321,7 @@ def validate(cfg: DictConfig | Config, world_size: Optional[int] = None) -> Conf
     if not 0.0 < d.val_fraction < 0.5:
         raise ConfigError(f"data.val_fraction={d.val_fraction} must be in (0, 0.5)")
     _choice("strategy.name", s.name, sorted(REGISTRY))
-    _positive("strategy.bucket_mb", s.bucket_mb)
-    _choice("strategy.reduce_dtype", s.reduce_dtype, ("auto", "fp32"))
+    check_strategy_settings(s)
     _choice("optim.name", o.name, OPTIMIZERS)
     _choice("optim.lr_scaling", o.lr_scaling, LR_SCALING)
     _choice("optim.decay", o.decay, DECAYS)
