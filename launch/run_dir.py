@@ -5,8 +5,9 @@ logs and the status file, and so that every node of a multi-node job is handed t
 `run.dir=` (the trainer's own choice would be made by one rank 0 only after rendezvous). The name
 comes from zerolab.trainer.new_run_dir: <run.root>/<experiment>/<time>-<strategy>[-job<id>]; a
 requeued Slurm job gets the directory its first start chose (found by its job id).
-Composing the config also validates it: a bad override, or a run.dir that another job holds
-(zerolab/runlock.py), exits with code 2 here, before any allocation or process group is used.
+Composing the config also validates it: a bad override, a given token file that is missing, empty
+or too short (zerolab.data.check_token_file), or a run.dir that another job holds
+(zerolab/runlock.py) exits with code 2 here, before any allocation or process group is used.
 
   python launch/run_dir.py strategy=zero2 trainer.max_steps=5   ->  /abs/runs/default/...-zero2
 """
@@ -18,6 +19,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from zerolab import runlock  # noqa: E402
 from zerolab.config import ConfigError, check_overrides, compose  # noqa: E402
+from zerolab.data import check_token_file  # noqa: E402
 from zerolab.trainer import new_run_dir  # noqa: E402
 
 
@@ -38,6 +40,10 @@ def choose(overrides: list[str]) -> str:
     # Unknown keys first, with zerolab's suggestion rather than Hydra's advice to add them with +.
     check_overrides(overrides, [d for d in os.listdir(CONF) if os.path.isdir(os.path.join(CONF, d))])
     cfg = compose(overrides)
+    if cfg.data.kind == "text" and cfg.data.path:
+        # A given token file that cannot give a window of each split: exit 2 here, seconds after
+        # the launch, not after every rank has started (the ranks check it again themselves).
+        check_token_file(cfg.data.path, cfg.model.block_size, cfg.data.val_fraction)
     path = os.path.abspath(cfg.run.dir or requeued_run_dir(cfg) or new_run_dir(cfg))
     runlock.check_free(path)  # a held directory: refuse before the launcher writes logs into it
     os.makedirs(path, exist_ok=True)

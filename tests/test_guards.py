@@ -133,6 +133,25 @@ def test_token_file_checks_name_path_and_sizes(tmp_path):
     check_token_file(str(path), 49, 0.05)  # 50 tokens: exactly one validation window
 
 
+def test_launcher_refuses_bad_data_before_any_rank_starts(tmp_path, monkeypatch):
+    """launch/run_dir.py (what launch/torchrun.sh and slurm.sbatch call first) checks a given token
+    file: exit 2 in seconds, not after every rank has started, and no run directory is made."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("run_dir", ROOT / "launch" / "run_dir.py")
+    run_dir = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(run_dir)
+    monkeypatch.chdir(tmp_path)
+    args = [f"run.root={tmp_path / 'runs'}", "model=gpt_tiny"]
+    with pytest.raises(ConfigError, match=f"data.path={tmp_path}/nope.bin: no such token file"):
+        run_dir.choose([*args, f"data.path={tmp_path / 'nope.bin'}"])
+    path = token_file(tmp_path / "short.bin", 1000)
+    with pytest.raises(ConfigError, match="validation split has no complete window"):
+        run_dir.choose([*args, f"data.path={path}", "model.block_size=60"])
+    assert not (tmp_path / "runs").exists()
+    assert run_dir.choose([*args, f"data.path={path}", "model.block_size=40"]).startswith(str(tmp_path / "runs"))
+
+
 def test_report_is_one_paragraph_unless_debugging(capsys, monkeypatch):
     def raised():
         try:
