@@ -132,10 +132,11 @@ class Zero3Strategy(ZeroStrategy):
         # The gradient shard in the reduce dtype (module docstring). When that is the dtype the
         # optimizer updates, the shard is master.grad, as in zero2; otherwise master.grad exists
         # only during the step, as an fp32 copy (_fp32_grads).
-        self.grad_shards = [g.master.grad if self.reduce_dtype == self.shard_dtype
-                            else torch.zeros(g.master.numel(), dtype=self.reduce_dtype, device=self.ctx.device)
-                            for g in self.groups]
-        if self.grad_shards and self.grad_shards[0] is not self.groups[0].master.grad:
+        if self.reduce_dtype == self.shard_dtype:
+            self.grad_shards = [g.master.grad for g in self.groups]
+        else:
+            self.grad_shards = [torch.zeros(g.master.numel(), dtype=self.reduce_dtype, device=self.ctx.device)
+                                for g in self.groups]
             for g in self.groups:
                 g.master.grad = None
         # The persistent weights: this rank's chunks in compute dtype, one flat tensor per group
