@@ -25,6 +25,8 @@ def test_deepspeed_resume_export_import(tmp_path, deepspeed_ops):
     meta = json.loads((step_k / "meta.json").read_text())
     assert meta["strategy"] == "deepspeed" and meta["checkpoint_format"] == "native" and meta["native"]["stage"] == 2
     assert any(f.startswith("deepspeed/") and f.endswith("optim_states.pt") for f in meta["files"])  # checksummed
+    # DeepSpeed's recovery scripts are code, not data: removed by the rank that wrote them.
+    assert not [p.name for c in (a / "checkpoints").iterdir() for p in c.rglob("*.py")]
 
     # 1. Exact resume through engine.load_checkpoint.
     proc = run_train(b, 2, *COMMON, *DS, f"checkpoint.resume={step_k}")

@@ -36,9 +36,14 @@ class DeepSpeedCheckpointing:
         import os
 
         self.engine.save_checkpoint(directory, tag=DS_TAG, save_latest=False)
-        # DeepSpeed's rank 0 also copies its recovery scripts (zero_to_fp32.py, zero_to_torch.py)
-        # beside the tag. A checkpoint is data, never code (export runs the installed DeepSpeed's
-        # consolidation): they go. Only *.py: other ranks may be writing their rank files already.
+        # DeepSpeed's global rank 0 also copies its recovery scripts (zero_to_fp32.py,
+        # zero_to_torch.py) beside the tag, before save_checkpoint returns there. A checkpoint is
+        # data, never code (export runs the installed DeepSpeed's consolidation): they go. Only the
+        # rank that wrote them removes them: another rank listing the directory could see a script
+        # that rank 0 removes before it does (a CI run failed on exactly that race). Only *.py:
+        # other ranks may be writing their rank files already.
+        if self.engine.global_rank != 0:
+            return
         for name in os.listdir(directory):
             if name.endswith(".py") and os.path.isfile(os.path.join(directory, name)):
                 os.remove(os.path.join(directory, name))
