@@ -136,6 +136,23 @@ def test_sgd_matches_torch(momentum, impl):
     assert _rel(ours, ref) < 1e-6
 
 
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+def test_sgd_auto_is_torchs_fused_kernel_for_whole_tensors_and_a_flat_shard(momentum):
+    """impl=auto on fp32 CPU tensors runs torch's fused SGD: bitwise torch.optim.SGD(fused=True),
+    and bitwise the same for the ZeRO shape (one flat tensor) as for whole tensors."""
+    init, names = _params(), ["a", "b", "c"]
+    hp = dict(lr=0.05, momentum=momentum, weight_decay=0.01)
+    ours, _ = _run(lambda ps: SGD(ps, **hp), init)
+    fused, _ = _run(lambda ps: torch.optim.SGD(ps, **hp, fused=True), init)
+    assert all(torch.equal(a, b) for a, b in zip(ours, fused))
+    flat, group = _flat_group(init, names)
+    opt, g = SGD([group], **hp), torch.Generator().manual_seed(1)
+    for _ in range(20):  # _run's gradient sequence, concatenated
+        flat.grad = torch.cat([torch.randn(t.shape, generator=g).flatten() for t in init])
+        opt.step()
+    assert torch.equal(flat.detach(), torch.cat([p.flatten() for p in ours]))
+
+
 def test_adamw_worked_first_step():
     """The course's example: lr 0.01, betas (0.9, 0.999), eps 1e-8, wd 0.01."""
     w = torch.nn.Parameter(torch.tensor([0.4, 0.0]))

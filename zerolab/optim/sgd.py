@@ -4,6 +4,10 @@
   plain:     Δw = −η·g
   momentum:  b ← μ·b + g,  Δw = −η·b
 The buffer starts at zero, so the first step gives b = g exactly, as torch's copy does.
+
+Kernel: with impl=auto on fp32/fp64 CPU tensors the step runs in torch's fused SGD kernel
+(torch._fused_sgd_, what torch.optim.SGD(fused=True) runs): one pass over memory and no
+temporaries, for whole tensors (ddp) and a flat ZeRO shard alike. Otherwise the composed ops run.
 """
 from __future__ import annotations
 
@@ -29,6 +33,9 @@ class SGD(ZerolabOptimizer):
         bufs = [self._state(p, "momentum_buffer")[0] for p in params] if mu else [None] * len(params)
         if mu:
             self._advance_step(params)
+        if self._fusable(params, grads, bufs if mu else []):
+            self._fused_step(group, params, grads, names, bufs if mu else [])
+            return
         updates = []
         for ps, gs, bs in self._chunks(group, params, grads, bufs):
             d = torch._foreach_add(gs, ps, alpha=wd) if wd else gs
@@ -38,3 +45,12 @@ class SGD(ZerolabOptimizer):
                 d = bs
             updates.extend(torch._foreach_mul(d, -lr))  # a new list: Δw never aliases grad or buffer
         self._apply(group, params, updates, names)
+
+    def _fused_step(self, group: dict, params: list, grads: list, names: list, bufs: list) -> None:
+        """The same math in one fused pass per tensor. is_first_step=False: the zero-initialised
+        buffer makes the first step's b = μ·0 + g = g exactly, as torch's copy of g does."""
+        before = self._snapshot(params) if self.track_updates else None  # logged steps only
+        torch._fused_sgd_(params, grads, bufs, weight_decay=group["weight_decay"], momentum=group["momentum"],
+                          lr=group["lr"], dampening=0.0, nesterov=False, maximize=False, is_first_step=False)
+        if before is not None:
+            self._record_landed(group, params, before, names)
