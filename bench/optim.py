@@ -119,7 +119,7 @@ def main() -> None:
         for name in order:
             ps, opt = runs[name]
             if name.startswith("zerolab flat"):
-                ps[0].grad = flat_grad
+                ps[0].grad = flat_grad.clone()  # its own: LAMB/LARS build their update in a flat shard's grad
             else:
                 for p, g in zip(ps, grads):
                     p.grad = g

@@ -80,7 +80,7 @@ class OptimConfig:
     trust_coefficient: float = 0.001
     max_trust_ratio: Optional[float] = None
     grad_clip: float = 1.0  # global-norm clip; 0 disables
-    impl: str = "auto"  # zerolab optimizer kernel: auto (fused AdamW on CPU fp32, else foreach) | foreach | for_loop
+    impl: str = "auto"  # zerolab optimizer kernel: auto (fused AdamW/Adam/SGD on CPU fp32, else foreach) | foreach | for_loop
     lr_scaling: str = "none"  # none | linear | sqrt
     base_batch: int = 0  # batch at which `lr` was tuned (0: the run's own global batch)
     warmup_steps: int = 10

@@ -10,8 +10,8 @@ materialising Δw.
 Kernels (`impl`):
   for_loop  one tensor at a time (a Python loop of small kernels)
   foreach   torch's multi-tensor `_foreach_*` ops over the whole group
-  auto      Adam/AdamW: torch's fused kernel on fp32/fp64 CPU tensors (see adamw.py and
-            `_fusable`); otherwise foreach when every tensor of a group is dense and on one device
+  auto      Adam/AdamW and SGD: torch's fused kernel on fp32/fp64 CPU tensors (see adamw.py,
+            sgd.py and `_fusable`); otherwise foreach when every tensor of a group is dense and on one device
 A flat group (one contiguous fp32 shard from the ZeRO sharder) is a single tensor, so foreach vs
 for_loop does not matter there; the fused kernel does (one pass over memory instead of seven, no
 shard-sized temporaries), and it treats a flat shard and whole tensors alike, so ddp and zero1/2

@@ -18,6 +18,7 @@ import math
 import torch
 
 from zerolab.optim.base import ZerolabOptimizer, layer_norms, scale_per_tensor, trust_ratio
+from zerolab.optim.segments import is_flat_group
 
 
 class Lamb(ZerolabOptimizer):
@@ -41,7 +42,14 @@ class Lamb(ZerolabOptimizer):
         updates = []
         for ps, gs, ms, vs in self._chunks(group, params, grads, m_all, v_all):
             self._update_moments(ms, vs, gs, group["betas"])
-            u = torch._foreach_sqrt(vs)  # u = m̂/(√v̂ + ε) + λw, in one temporary per tensor
+            # u = m̂/(√v̂ + ε) + λw, in one temporary per tensor; in a flat shard's own gradient
+            # (read above, never again: segments.py) instead of a fresh shard-sized tensor.
+            if is_flat_group(group):
+                for v, g in zip(vs, gs):
+                    torch.sqrt(v, out=g)
+                u = gs
+            else:
+                u = torch._foreach_sqrt(vs)
             torch._foreach_div_(u, math.sqrt(bc2))
             torch._foreach_add_(u, eps)
             torch._foreach_reciprocal_(u)

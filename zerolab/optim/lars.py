@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from zerolab.optim.base import ZerolabOptimizer, layer_norms, scale_per_tensor, trust_ratio
+from zerolab.optim.segments import is_flat_group
 
 
 class Lars(ZerolabOptimizer):
@@ -32,11 +33,19 @@ class Lars(ZerolabOptimizer):
         if not params:
             return
         lr, mu, wd = group["lr"], group["momentum"], group["weight_decay"]
-        d = []  # g + λw, a new tensor per parameter (it becomes Δw)
-        for gs, ps in self._chunks(group, grads, params):
-            d.extend(torch._foreach_add(gs, ps, alpha=wd) if wd else torch._foreach_mul(gs, 1.0))
-        if group["trust_ratio"]:
+        if group["trust_ratio"]:  # the norms first: a flat shard's gradient becomes d below
             w_norm, g_norm = layer_norms(group, params, grads)
+        # d = g + λw (it becomes Δw): a new tensor per parameter, or a flat shard's own gradient
+        # (segments.py), so the step allocates no shard-sized temporary.
+        if is_flat_group(group):
+            d = grads
+            if wd:
+                torch._foreach_add_(d, params, alpha=wd)
+        else:
+            d = []
+            for gs, ps in self._chunks(group, grads, params):
+                d.extend(torch._foreach_add(gs, ps, alpha=wd) if wd else torch._foreach_mul(gs, 1.0))
+        if group["trust_ratio"]:
             local = trust_ratio(group["trust_coefficient"] * w_norm, g_norm + wd * w_norm + group["eps"],
                                 group["max_trust_ratio"])
             local = torch.where((w_norm > 0) & (g_norm > 0), local, torch.ones_like(local))

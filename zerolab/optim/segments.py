@@ -9,6 +9,9 @@ it owns and one all-reduce completes them. A flat group carries:
   "n_tensors": number of tensors in the group (length of the per-tensor norm vector)
   "names":     the tensors' names, indexed by Segment.tensor
   "allreduce": callable(t) summing t over the data-parallel ranks in place
+The shard's .grad belongs to the sharder, which zeroes it after every step: an optimizer may
+overwrite it during step() once it has read it (LAMB and LARS build their update there, so a
+step allocates no shard-sized temporary; fresh allocations that large cost page faults per step).
 """
 from __future__ import annotations
 
