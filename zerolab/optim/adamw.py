@@ -65,14 +65,11 @@ class AdamW(ZerolabOptimizer):
         (torch.optim.AdamW(fused=True) calls the same kernel; the step counters were advanced by
         _adam_moments, and the kernel reads them for the bias corrections). Elementwise, so a flat
         ZeRO shard and the per-tensor (ddp) call give bitwise the same weights."""
-        before = self._snapshot(params) if self.track_updates else None  # logged steps only
         kernel = torch._fused_adamw_ if self.decoupled else torch._fused_adam_
         b1, b2 = group["betas"]
-        kernel(params, grads, m_all, v_all, [], [self.state[p]["step"] for p in params], lr=group["lr"],
-               beta1=b1, beta2=b2, weight_decay=group["weight_decay"], eps=group["eps"], amsgrad=False,
-               maximize=False)
-        if before is not None:
-            self._record_landed(group, params, before, names)
+        self._fused(group, params, names, lambda: kernel(
+            params, grads, m_all, v_all, [], [self.state[p]["step"] for p in params], lr=group["lr"], beta1=b1,
+            beta2=b2, weight_decay=group["weight_decay"], eps=group["eps"], amsgrad=False, maximize=False))
 
 
 class Adam(AdamW):

@@ -146,6 +146,14 @@ class ZerolabOptimizer(torch.optim.Optimizer):
             for p, u in zip(params, updates):
                 p.add_(u)
 
+    def _fused(self, group: dict, params: list[torch.Tensor], names: list[str], kernel) -> None:
+        """Run `kernel()`, which updates `params` in one fused pass and never materialises Δw; on
+        logged steps (track_updates) record what landed, from a snapshot taken before."""
+        before = self._snapshot(params) if self.track_updates else None
+        kernel()
+        if before is not None:
+            self._record_landed(group, params, before, names)
+
     @staticmethod
     def _snapshot(params: list[torch.Tensor]) -> list[torch.Tensor]:
         """The weights before an update (fp32 copies of 16-bit ones), for _record_landed."""

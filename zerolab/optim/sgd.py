@@ -49,8 +49,6 @@ class SGD(ZerolabOptimizer):
     def _fused_step(self, group: dict, params: list, grads: list, names: list, bufs: list) -> None:
         """The same math in one fused pass per tensor. is_first_step=False: the zero-initialised
         buffer makes the first step's b = μ·0 + g = g exactly, as torch's copy of g does."""
-        before = self._snapshot(params) if self.track_updates else None  # logged steps only
-        torch._fused_sgd_(params, grads, bufs, weight_decay=group["weight_decay"], momentum=group["momentum"],
-                          lr=group["lr"], dampening=0.0, nesterov=False, maximize=False, is_first_step=False)
-        if before is not None:
-            self._record_landed(group, params, before, names)
+        self._fused(group, params, names, lambda: torch._fused_sgd_(
+            params, grads, bufs, weight_decay=group["weight_decay"], momentum=group["momentum"], lr=group["lr"],
+            dampening=0.0, nesterov=False, maximize=False, is_first_step=False))
