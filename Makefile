@@ -28,7 +28,9 @@ install: $(STAMP)
 # The default job: the strategy comparison, short, on 2 CPU ranks (conf/experiment/compare.yaml).
 # Each strategy is its own torchrun job (hydra_plugins/zerolab_torchrun) in one sweep directory;
 # the sweep ends by printing the report's table and the paths of its PNGs.
-STRATEGIES ?= ddp,zero1,zero2,zero3,deepspeed,torch_zero,fsdp
+# Every registered strategy unless STRATEGIES names some (read from the registry when the recipe
+# runs, after install).
+STRATEGIES ?= $(shell $(PY) -c "from zerolab.strategies import all_names; print(all_names())")
 run: install
 	$(PY) train.py -m experiment=compare strategy=$(STRATEGIES) $(ARGS)
 

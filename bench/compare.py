@@ -27,13 +27,14 @@ sys.path.insert(0, str(ROOT))
 from zerolab.comm import theory_bytes_per_step  # noqa: E402
 from zerolab.metrics import read_jsonl  # noqa: E402
 from zerolab.stats import percentile  # noqa: E402
+from zerolab.strategies import all_names  # noqa: E402
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--warmup", type=int, default=5, help="steps left out of the timing")
-    p.add_argument("--strategies", default="ddp,zero1,zero2,zero3,deepspeed,torch_zero,fsdp")
+    p.add_argument("--strategies", default=all_names(), help="default: every registered strategy")
     p.add_argument("--model", default="gpt_small")
     p.add_argument("--rounds", type=int, default=2, help="sweeps, in alternating strategy order; timings pooled")
     p.add_argument("--root", default=str(ROOT / "bench" / "runs"))

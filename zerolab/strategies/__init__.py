@@ -45,6 +45,12 @@ def names_where(**attributes) -> list[str]:
     return [n for n in REGISTRY if all(getattr(strategy_class(n), k) == v for k, v in attributes.items())]
 
 
+def all_names() -> str:
+    """Every registered strategy, comma-separated in registry order: the default of `make run`
+    and bench/compare.py, so a new strategy joins the comparison by registering."""
+    return ",".join(REGISTRY)
+
+
 def reference_strategy() -> str:
     """The strategy others are measured against (its class says `reference = True`)."""
     found = names_where(reference=True)

@@ -62,6 +62,9 @@ class Strategy(MemoryModel, TransientPeak, abc.ABC):  # predict_memory; transien
     # The strategy the others are compared against (report baseline; an imported checkpoint is
     # recorded as written by it on one rank). Exactly one registered strategy sets it.
     reference: bool = False
+    # zerolab's own ZeRO implementation (as opposed to a borrowed library's): bench/zero.py times
+    # these against the reference by default.
+    zerolab_sharder: bool = False
     # Settings (dotted config keys) this strategy reads among those that only some strategies
     # read: every strategy.* key but `name`, and STRATEGY_DEPENDENT. Validation warns when one it
     # does not read is set away from its default (zerolab.strategies.unused_settings).

@@ -75,6 +75,7 @@ class FlatGroup:
 class ZeroStrategy(Strategy):
     stage = 1
     sharded_grads = True
+    zerolab_sharder = True
     uses = frozenset({"strategy.bucket_mb", "strategy.reduce_dtype", "trainer.nonfinite"})
     checkpoint_format = "pieces"
 
