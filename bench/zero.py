@@ -1,4 +1,4 @@
-"""ddp vs zerolab's zero1, zero2 and zero3, side by side in one run (run under torchrun).
+"""ddp vs zerolab's own ZeRO stages (zero1, zero2, zero3), side by side in one run (run under torchrun).
 
     torchrun --standalone --nproc_per_node=2 bench/zero.py [--steps 20] [key=value ...]
 
@@ -13,6 +13,11 @@ DDP's no_sync): the same model, per-rank batch, kernels and optimizer, and no co
 strategy's ratio to it is what its collectives and bookkeeping cost on top of the compute; a
 ZeRO stage that shards the optimizer's work can go below it, since the floor updates every
 parameter on every rank.
+
+CPU s/step is each rank's process CPU time per step (all its threads, gloo's included), p50,
+averaged over ranks. On a CPU backend the collectives are CPU work: when every core already runs a
+rank, no overlap can hide that work, so a strategy's wall ratio to the floor cannot go below its
+CPU ratio there (on a GPU the collectives run beside the compute, and only the wall ratio matters).
 """
 from __future__ import annotations
 
@@ -32,6 +37,7 @@ from zerolab import dist as zdist  # noqa: E402
 from zerolab.comm import theory_bytes_per_step  # noqa: E402
 from zerolab.config import compose  # noqa: E402
 from zerolab.stats import percentile  # noqa: E402
+from zerolab.strategies import names_where, reference_strategy  # noqa: E402
 from zerolab.trainer import Trainer  # noqa: E402
 
 FLOOR = "floor (no comm)"
@@ -48,26 +54,31 @@ def one_step(name: str, tr: Trainer, step: int) -> None:
         tr.train_step(step)
 
 
-def interleaved(trainers: dict, steps: int, warmup: int, ctx) -> dict[str, list[float]]:
+def interleaved(trainers: dict, steps: int, warmup: int, ctx) -> tuple[dict, dict]:
+    """Wall seconds per step, and this process's CPU seconds per step (every thread: the gloo
+    threads that run the collectives count too)."""
     times = {name: [] for name in trainers}
+    cpu = {name: [] for name in trainers}
     for step in range(steps):
         for name, tr in trainers.items():
             ctx.synchronize()
             torch.distributed.barrier()
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             one_step(name, tr, step)
             ctx.synchronize()
-            dt = time.perf_counter() - t0
+            dt, dc = time.perf_counter() - t0, time.process_time() - c0
             if step >= warmup:
                 times[name].append(dt)
-    return times
+                cpu[name].append(dc)
+    return times, cpu
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--strategies", default="ddp,zero1,zero2,zero3")
+    own = ",".join([reference_strategy(), *names_where(zerolab_sharder=True)])
+    p.add_argument("--strategies", default=own, help=f"default: the reference and zerolab's own sharders ({own})")
     p.add_argument("--no-floor", action="store_true", help="skip the compute-only floor")
     p.add_argument("overrides", nargs="*")
     args = p.parse_args()
@@ -83,7 +94,8 @@ def main() -> None:
         cfg = compose(DEFAULTS + args.overrides + [f"strategy={strategy}", f"trainer.max_steps={args.steps}",
                                                     f"run.dir={tmp}/{i}"])
         trainers[name] = Trainer(cfg, ctx)
-    times = interleaved(trainers, args.steps, args.warmup, ctx)
+    times, cpu = interleaved(trainers, args.steps, args.warmup, ctx)
+    cpu = ctx.gather_objects({name: statistics.median(c) for name, c in cpu.items()})  # per rank
     for tr in trainers.values():
         tr.strategy.comm.pop_step()
     # one more step each, to read one step's comm bytes and the memory right after it
@@ -93,11 +105,11 @@ def main() -> None:
         comm[name] = tr.strategy.comm.pop_step()
         mem[name] = ctx.gather_objects(tr.strategy.memory())
     if ctx.is_main:
-        report(base, ctx, trainers, times, comm, mem, args)
+        report(base, ctx, trainers, times, cpu, comm, mem, args)
     zdist.shutdown(ctx)
 
 
-def report(base, ctx, trainers, times, comm, mem, args) -> None:
+def report(base, ctx, trainers, times, cpu, comm, mem, args) -> None:
     any_tr = next(iter(trainers.values()))
     n, psi = ctx.world_size, any_tr.n_params
     print(f"# conditions: torch {torch.__version__}, {platform.processor() or platform.machine()}, "
@@ -107,8 +119,10 @@ def report(base, ctx, trainers, times, comm, mem, args) -> None:
           f"bucket {base.strategy.bucket_mb} MB, {args.steps - args.warmup} timed steps each, interleaved")
     ddp_p50 = statistics.median(times["ddp"]) if "ddp" in times else None
     floor_p50 = statistics.median(times[FLOOR]) if FLOOR in times else None
-    print("\n| strategy | p50 s/step | p95 s/step | p50 ÷ ddp | p50 ÷ floor | comm MB/step/rank | ÷ theory |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
+    cpu_of = {name: statistics.mean(r[name] for r in cpu) for name in times}  # mean over ranks of p50
+    print("\n| strategy | p50 s/step | p95 s/step | p50 ÷ ddp | p50 ÷ floor | CPU s/step | CPU ÷ floor "
+          "| comm MB/step/rank | ÷ theory |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     elem = 2 if base.precision.name in ("bf16", "fp16") else 4
     theory = theory_bytes_per_step(psi, elem, n)
     for name, ts in times.items():
@@ -117,7 +131,9 @@ def report(base, ctx, trainers, times, comm, mem, args) -> None:
         to_floor = f"{p50 / floor_p50:.3f}" if floor_p50 else "-"
         c = comm[name].get("total", 0.0)
         vs_theory = f"{c / theory:.3f}" if theory and c else "-"
-        print(f"| {name} | {p50:.4f} | {p95:.4f} | {ratio} | {to_floor} | {c / 1e6:.2f} | {vs_theory} |")
+        cpu_ratio = f"{cpu_of[name] / cpu_of[FLOOR]:.3f}" if FLOOR in cpu_of else "-"
+        print(f"| {name} | {p50:.4f} | {p95:.4f} | {ratio} | {to_floor} | {cpu_of[name]:.4f} | {cpu_ratio} "
+              f"| {c / 1e6:.2f} | {vs_theory} |")
     cats = ("params", "grads", "master", "optim_state", "buffers", "model_states")
     print("\nmemory per rank after a step, MB (" + ", ".join(cats) + ")")
     print("| strategy | rank | " + " | ".join(cats) + " |")
