@@ -242,7 +242,7 @@ def test_usr1_warning_saves_requeues_and_resumes(cluster, tmp_path):
                 seen += chunk
         attempts.append(seen.decode(errors="replace"))
         assert f"requeueing job {job}" in attempts[0], attempts[0][-4000:]
-        # Slurm holds a requeued job for about 2 minutes (its BeginTime) before it starts again.
+        # Slurm holds a requeued job for cred_expire + 1 s (its BeginTime; 30 s in local_slurm.sh).
         with open(fifo, "rb", buffering=0) as out:  # attempt 2: the requeued start opens it again
             attempts.append(b"".join(iter(lambda: out.read(4096), b"")).decode(errors="replace"))
         sbatch.wait(timeout=120)
