@@ -49,8 +49,10 @@ class NonFiniteGradient(ZerolabError):
 
 @dataclass
 class StepInfo:
-    grad_norm: float  # global L2 norm of the (unscaled) gradient, before clipping
-    grad_norm_clipped: float  # after clipping
+    # Global L2 norm of the (unscaled) gradient, before and after clipping: floats, or 0-dim
+    # device tensors on steps decided on the device (read them on logged steps only).
+    grad_norm: float
+    grad_norm_clipped: float
     skipped: bool = False  # True when the update was skipped (overflow / non-finite)
     extra: dict = field(default_factory=dict)  # strategy- or optimizer-specific metrics
 
@@ -85,6 +87,7 @@ class Strategy(MemoryModel, TransientPeak, abc.ABC):  # predict_memory; transien
         self.comm = CommCounter(ctx.world_size)
         self.optimizer: Optional[torch.optim.Optimizer] = None
         self.step_count = 0  # optimizer steps taken (skipped ones included); restore_step sets it on resume
+        self._first_nonfinite: Optional[torch.Tensor] = None  # device: first unlogged step with a non-finite norm, or -1
 
     # ---- protocol -------------------------------------------------------------------------
     @abc.abstractmethod
@@ -197,18 +200,28 @@ class Strategy(MemoryModel, TransientPeak, abc.ABC):  # predict_memory; transien
         """The part of a step every strategy shares, given this rank's fp32 gradients (whole
         tensors or shards; `sharded_grads` says which): global norm from local sums of squares
         (one all-reduce when sharded), overflow check agreed by all ranks, one multiply that
-        unscales and clips, then the optimizer update unless the step must be skipped."""
+        unscales and clips, then the optimizer update unless the step must be skipped.
+
+        On a step that is not logged (stats_level 0), without a loss scale and with
+        trainer.nonfinite=stop, nothing is read on the host: the clip coefficient is applied as a
+        device tensor and a non-finite norm is only noted on the device; settle() raises for it
+        at the next logged step or checkpoint (the run stops either way, so no update has to be
+        skipped, and skipping is what would need the host). Logged steps, fp16's loss scale and
+        trainer.nonfinite=skip decide on the host, as before."""
+        if stats_level:
+            self.settle()  # a logged step reads the host anyway
         scaler = self.precision.scaler
         sq = grad_norm_sq(grads).to(self.ctx.device)
         if self.sharded_grads and self.ctx.world_size > 1:
             self.comm.record("all_reduce", sq)
             dist.all_reduce(sq)
+        if not stats_level and self._decides_on_device(grads):
+            return self._clip_on_device(grads, sq)
         norm = math.sqrt(sq.item()) / scaler.scale
         finite = math.isfinite(norm)
         scaler.update(found_inf=not finite, step=self.step_count)
         if not finite:
-            where = (f"step {self.step_count} (0-based, as fault.*_step; \"step\": {self.step_count + 1} in "
-                     f"metrics.jsonl)")
+            where = self._where(self.step_count)
             if not scaler.enabled and self.cfg.trainer.nonfinite == "stop":
                 raise NonFiniteGradient(
                     f"{where}: the gradient norm is {norm} ({self.describe_nonfinite()}); "
@@ -227,6 +240,57 @@ class Strategy(MemoryModel, TransientPeak, abc.ABC):  # predict_memory; transien
         extra = self._optimizer_step(stats_level)
         self.step_count += 1
         return StepInfo(grad_norm=norm, grad_norm_clipped=norm * coef, extra=extra)
+
+    # ---- deciding on the device ------------------------------------------------------------------
+    def _decides_on_device(self, grads: list[torch.Tensor]) -> bool:
+        """Whether this step's clip can be decided without reading the norm on the host: no loss
+        scale to update, nothing to skip (nonfinite=stop), plain tensors (a DTensor gradient
+        cannot be multiplied by a plain device tensor)."""
+        return (not self.precision.scaler.enabled and self.cfg.trainer.nonfinite == "stop"
+                and all(type(g) is torch.Tensor for g in grads))
+
+    def _clip_on_device(self, grads: list[torch.Tensor], sq: torch.Tensor) -> StepInfo:
+        """The host path's arithmetic on a 0-dim fp64 tensor: the same IEEE operations as
+        math.sqrt and clip_coefficient on Python floats, so the coefficient, and the gradients it
+        multiplies, are bitwise the host path's (an exact 1.0 when the clip is not active).
+        A non-finite norm makes the weights non-finite too; settle() stops the run before any
+        of them is saved or logged."""
+        norm = sq.double().sqrt()
+        bad = ~torch.isfinite(norm)
+        if self._first_nonfinite is None:
+            self._first_nonfinite = torch.full((), -1, dtype=torch.int64, device=norm.device)
+        first = self._first_nonfinite
+        first.copy_(torch.where(bad & (first < 0), self.step_count, first))
+        clipped = norm
+        max_norm = self.cfg.optim.grad_clip
+        if max_norm > 0 and grads:
+            # full_like: `float / tensor` would run as reciprocal-then-multiply, a different rounding
+            coef = torch.clamp(torch.full_like(norm, max_norm) / (norm + 1e-6), max=1.0)
+            torch._foreach_mul_(grads, coef)
+            clipped = norm * coef
+        extra = self._optimizer_step(0)
+        self.step_count += 1
+        return StepInfo(grad_norm=norm, grad_norm_clipped=clipped, extra=extra)
+
+    def settle(self) -> None:
+        """Read what steps decided on the device left pending: raise NonFiniteGradient, naming the
+        first step whose gradient norm was not finite, if there was one. The trainer's logged
+        steps and zerolab.checkpoint call it, so a non-finite weight is never saved or logged."""
+        first = self._first_nonfinite
+        if first is None:
+            return
+        self._first_nonfinite = None
+        bad = int(first.item())
+        if bad >= 0:
+            raise NonFiniteGradient(
+                f"{self._where(bad)}: the gradient norm is not finite (seen at step {self.step_count}: steps "
+                "that are not logged check it on the device; trainer.log_every=1 checks every step on the "
+                "host and names the tensor); lower the lr, enable clipping (optim.grad_clip) or set "
+                "trainer.nonfinite=skip")
+
+    @staticmethod
+    def _where(step: int) -> str:
+        return f"step {step} (0-based, as fault.*_step; \"step\": {step + 1} in metrics.jsonl)"
 
     # ---- watching the optimizer ----------------------------------------------------------------
     def _optimizer_step(self, level: int) -> dict:
