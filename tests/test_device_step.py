@@ -57,7 +57,8 @@ class HostReads:
 
 
 @pytest.mark.parametrize("strategy,precision", [("ddp", "fp32"), ("ddp", "bf16"), ("zero2", "fp32"),
-                                                ("zero3", "fp32"), ("zero1", "bf16")])
+                                                ("zero3", "fp32"), ("zero1", "bf16"),
+                                                ("ddp", "bf16_pure"), ("zero2", "bf16_pure"), ("zero3", "bf16")])
 def test_unlogged_steps_clip_on_the_device_bitwise_as_logged_ones(one_rank, tmp_path, monkeypatch,
                                                                    strategy, precision):
     """The same run logged at every step (every clip decided on the host) and logged only at its

@@ -252,7 +252,9 @@ class Strategy(MemoryModel, TransientPeak, abc.ABC):  # predict_memory; transien
     def _clip_on_device(self, grads: list[torch.Tensor], sq: torch.Tensor) -> StepInfo:
         """The host path's arithmetic on a 0-dim fp64 tensor: the same IEEE operations as
         math.sqrt and clip_coefficient on Python floats, so the coefficient, and the gradients it
-        multiplies, are bitwise the host path's (an exact 1.0 when the clip is not active).
+        multiplies, are bitwise the host path's on CPU (an exact 1.0 when the clip is not active;
+        tests/test_device_step.py). On CUDA the two may differ in the last bit of a 16-bit
+        gradient, by how each multiply rounds the coefficient (not measured: no GPU here).
         A non-finite norm makes the weights non-finite too; settle() stops the run before any
         of them is saved or logged."""
         norm = sq.double().sqrt()
@@ -266,7 +268,10 @@ class Strategy(MemoryModel, TransientPeak, abc.ABC):  # predict_memory; transien
         if max_norm > 0 and grads:
             # full_like: `float / tensor` would run as reciprocal-then-multiply, a different rounding
             coef = torch.clamp(torch.full_like(norm, max_norm) / (norm + 1e-6), max=1.0)
-            torch._foreach_mul_(grads, coef)
+            # In each gradient's dtype: what _foreach_mul_ with a Python float does with it on CPU
+            # (a 16-bit gradient is multiplied by the 16-bit coefficient), so bitwise the host path.
+            for dtype in {g.dtype for g in grads}:
+                torch._foreach_mul_([g for g in grads if g.dtype == dtype], coef.to(dtype))
             clipped = norm * coef
         extra = self._optimizer_step(0)
         self.step_count += 1
