@@ -2,7 +2,8 @@
 # Planner vs allocator on one CUDA GPU: world-size-1 bf16 runs of gpt2_124m for every strategy,
 # with and without activation checkpointing; the planner's predicted peak (python -m zerolab plan's
 # arithmetic) beside torch.cuda.max_memory_allocated and the measured activation bytes. Appends a
-# table to bench/RESULTS.md (bench/gpu_check.py writes it). Aim: under 8 minutes on an H100/H200.
+# table to bench/RESULTS.md (bench/gpu_check.py writes it), then bench/sync_check.py's table (host
+# synchronisation in unlogged steps). Aim: under 8 minutes on an H100/H200.
 #
 #   bench/gpu_check.sh [--micro-batch 8] [--seq 1024] [--steps 3] [--out bench/RESULTS.md] [--dry-run]
 #
@@ -58,5 +59,8 @@ for run in "${RUNS[@]}"; do
     DIRS+=("$label|$ck|$dir")
   done
 done
-[[ $DRY == 1 ]] && exit 0
+# Then: does a step that is not logged synchronise the host with the device (one rank, seconds).
+SYNC=("$PY" bench/sync_check.py --device cuda --out "$OUT")
+if [[ $DRY == 1 ]]; then echo "${SYNC[*]}"; exit 0; fi
 "$PY" bench/gpu_check.py --micro-batch "$MB" --seq "$SEQ" --out "$OUT" "${DIRS[@]}"
+"${SYNC[@]}" || echo "   sync check failed" >&2

@@ -95,7 +95,7 @@ def test_cli_json_and_plot(tmp_path, capsys):
 @pytest.mark.slow
 def test_gpu_check_script_syntax_and_arguments():
     """bench/gpu_check.sh needs a GPU to run; here only its syntax and argument handling (--dry-run
-    prints the 14 training commands: 7 strategies, checkpointing off and on)."""
+    prints the 14 training commands: 7 strategies, checkpointing off and on, then the sync check)."""
     import subprocess
 
     from conftest import ROOT, base_env
@@ -105,7 +105,8 @@ def test_gpu_check_script_syntax_and_arguments():
     dry = subprocess.run(["bash", script, "--dry-run", "--micro-batch", "4"], capture_output=True, text=True,
                          env=base_env(), cwd=ROOT)
     assert dry.returncode == 0, dry.stderr
-    lines = dry.stdout.splitlines()
+    *lines, sync = dry.stdout.splitlines()
     assert len(lines) >= 14 and all("data.micro_batch=4" in line and "precision=bf16" in line for line in lines)
+    assert sync.endswith("bench/sync_check.py --device cuda --out bench/RESULTS.md"), sync
     bad = subprocess.run(["bash", script, "--steps", "x"], capture_output=True, text=True, env=base_env(), cwd=ROOT)
     assert bad.returncode == 2 and "'x' is not a positive integer" in bad.stderr
