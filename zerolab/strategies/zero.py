@@ -318,24 +318,30 @@ class ZeroStrategy(Strategy):
         c.add("buffers", (b.comm_buf for b in self.buckets)).add("buffers", self.model.buffers())
         return c.result()
 
-    def _full_master(self) -> dict[int, torch.Tensor]:
-        """All-gather the fp32 master chunks; returns id(param) -> full fp32 tensor."""
+    @torch.no_grad()
+    def consolidated_state_dict(self) -> Optional[dict[str, torch.Tensor]]:
+        """All-gather the fp32 master one bucket at a time (collective); rank 0 copies that
+        bucket's tensors out before the next one is gathered, so no rank ever holds a full-model
+        buffer: beside rank 0's copies, the transient is one bucket (it used to be the whole
+        model on every rank, at the end of a run, when a large model has the least room)."""
+        self._wait_gathers()
+        main = self.ctx.is_main
+        state = self.model.state_dict(keep_vars=True)
+        names: dict[int, list[str]] = {}
+        for name, t in state.items():
+            names.setdefault(id(t), []).append(name)  # a tied weight has two names: two copies
         out = {}
         for b in self.buckets:
             full = torch.empty(b.size, dtype=self.shard_dtype, device=self.ctx.device)
             dist.all_gather_single(full, self.groups[b.group].master.data[b.shard_pos:b.shard_pos + b.chunk].contiguous())
-            for p, _, off in b.params:
-                out[id(p)] = full[off:off + p.numel()].view(p.shape)
-        return out
-
-    @torch.no_grad()
-    def consolidated_state_dict(self) -> Optional[dict[str, torch.Tensor]]:
-        self._wait_gathers()
-        full = self._full_master()
-        if not self.ctx.is_main:
+            if main:
+                for p, _, off in b.params:
+                    for name in names.get(id(p), ()):
+                        out[name] = full[off:off + p.numel()].view(p.shape).float().cpu().clone()
+            del full
+        if not main:
             return None
-        return {name: full.get(id(t), t).detach().float().cpu().clone()
-                for name, t in self.model.state_dict(keep_vars=True).items()}
+        return {name: out[name] if name in out else t.detach().float().cpu().clone() for name, t in state.items()}
 
     # ---- checkpoints: this rank's pieces, keyed by parameter name and element range ----------
     def _pieces(self):
