@@ -14,7 +14,8 @@ import torch
 
 from conftest import ROOT, fixed_corpus, run_train
 from zerolab.config import compose
-from zerolab.strategies import REGISTRY, STRATEGY_DEPENDENT, names_where, reference_strategy, strategy_class
+from zerolab.strategies import (REGISTRY, STRATEGY_DEPENDENT, all_names, names_where, reference_strategy,
+                                strategy_class)
 
 TINY = ["model=gpt_tiny", "trainer.eval_every=0", "data.micro_batch=2", "logging.wandb.mode=disabled",
         "logging.progress=false", "run.save_model=false"]
@@ -40,6 +41,9 @@ def test_every_strategy_declares_format_settings_and_one_reference():
     assert strategy_class("torch_zero").checkpoint_format == "none"
     assert names_where(checkpoint_format="pieces") == ["ddp", "zero1", "zero2", "zero3"]
     assert names_where(checkpoint_format="native") == ["deepspeed"]
+    # the default lists of `make run`, bench/compare.py and bench/zero.py come from the registry
+    assert all_names().split(",") == list(REGISTRY)
+    assert names_where(zerolab_sharder=True) == ["zero1", "zero2", "zero3"]
 
 
 def _code_words(path: Path) -> set[str]:
