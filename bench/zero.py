@@ -16,8 +16,9 @@ parameter on every rank.
 
 CPU s/step is each rank's process CPU time per step (all its threads, gloo's included), p50,
 averaged over ranks. On a CPU backend the collectives are CPU work: when every core already runs a
-rank, no overlap can hide that work, so a strategy's wall ratio to the floor cannot go below its
-CPU ratio there (on a GPU the collectives run beside the compute, and only the wall ratio matters).
+rank, overlap can hide the waiting but not that work, so a strategy's wall ratio to the floor
+stays at or above about its CPU ratio there (on a GPU the collectives run beside the compute, and
+only the wall ratio matters).
 """
 from __future__ import annotations
 

@@ -262,7 +262,7 @@ class Strategy(MemoryModel, TransientPeak, abc.ABC):  # predict_memory; transien
         if self._first_nonfinite is None:
             self._first_nonfinite = torch.full((), -1, dtype=torch.int64, device=norm.device)
         first = self._first_nonfinite
-        first.copy_(torch.where(bad & (first < 0), self.step_count, first))
+        first.masked_fill_(bad & (first < 0), self.step_count)  # in place, no host read
         clipped = norm
         max_norm = self.cfg.optim.grad_clip
         if max_norm > 0 and grads:
