@@ -4,7 +4,6 @@ import os
 import signal
 
 import pytest
-import torch
 
 from zerolab.fault import process_state
 from zerolab.preempt import StopRequest
@@ -22,12 +21,12 @@ def stop_request():
 
 
 def test_first_signal_is_recorded_and_agreed_alone(stop_request):
-    assert not stop_request.agreed(torch.device("cpu"), 1)
+    assert not stop_request.agreed(1)
     os.kill(os.getpid(), signal.SIGUSR1)  # handled before os.kill returns to Python code
     assert stop_request.signal_name == "SIGUSR1"
     os.kill(os.getpid(), signal.SIGUSR1)  # a repeated USR1 changes nothing
     assert stop_request.signal_name == "SIGUSR1"
-    assert stop_request.agreed(torch.device("cpu"), 1)
+    assert stop_request.agreed(1)
 
 
 def test_repeated_sigterm_does_not_kill(stop_request):
@@ -38,7 +37,7 @@ def test_repeated_sigterm_does_not_kill(stop_request):
     os.kill(os.getpid(), signal.SIGTERM)
     os.kill(os.getpid(), signal.SIGTERM)
     assert stop_request.signal_name == "SIGTERM"
-    assert stop_request.agreed(torch.device("cpu"), 1)
+    assert stop_request.agreed(1)
 
 
 def test_process_state_of_self_and_of_a_gone_pid():

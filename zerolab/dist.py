@@ -28,6 +28,10 @@ class DistContext:
     device: torch.device
     backend: str
     store: Optional[dist.Store] = None  # the job's key-value store (this restart round's namespace)
+    # A gloo group over the same ranks, for per-step control messages on CPU tensors (the stop
+    # agreement): on NCCL a device tensor read back on the host would wait for the whole step.
+    # Created for every multi-rank run, so the CPU tests run the code CUDA runs.
+    host_group: Optional[Any] = None
 
     @property
     def is_main(self) -> bool:
@@ -104,8 +108,9 @@ def init(cfg: DistConfig) -> DistContext:
         store = dist.HashStore()
     dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout,
                             device_id=device if backend == "nccl" else None)
+    host_group = dist.new_group(backend="gloo") if world > 1 else None
     return DistContext(rank=rank, local_rank=local_rank, world_size=world, device=device, backend=backend,
-                       store=store)
+                       store=store, host_group=host_group)
 
 
 def shutdown(ctx: Optional[DistContext]) -> None:

@@ -5,8 +5,8 @@ Schedulers announce the end of a job with a signal: torchrun's agent forwards th
 them after its grace period (`--shutdown-timeout`, default 30 s); launch/slurm.sbatch turns
 Slurm's early warning (USR1) into the same SIGTERM. A handler here only records the request: the
 rank finishes the step it is in, then all ranks agree through one tiny all-reduce per step (MAX of
-a 0/1 flag, so no rank stops alone and all stop after the same step), save a checkpoint and exit
-with EXIT_PREEMPTED.
+a 0/1 flag on CPU, over a gloo group: on CUDA it never waits for the step's kernels; so no rank
+stops alone and all stop after the same step), save a checkpoint and exit with EXIT_PREEMPTED.
 
 A repeated signal changes nothing. Under Slurm one stop reaches a rank twice: slurmstepd signals
 every process of the step (proctrack tracks the whole tree, torchrun's workers included) and the
@@ -68,11 +68,13 @@ class StopRequest:
                     f"with a checkpoint\n".encode())
 
     @classmethod
-    def agreed(cls, device: torch.device, world_size: int) -> bool:
-        """Collective: True on every rank if any rank was asked to stop."""
+    def agreed(cls, world_size: int, host_group=None) -> bool:
+        """Collective: True on every rank if any rank was asked to stop. A CPU tensor on the
+        host group (DistContext.host_group): reading it back never waits for the device, so the
+        per-step check does not stall the CPU behind the step's kernels."""
         flag = cls.signal_name is not None
         if world_size == 1:
             return flag
-        t = torch.tensor([int(flag)], dtype=torch.int32, device=device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        t = torch.tensor([int(flag)], dtype=torch.int32)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=host_group)
         return bool(t.item())

@@ -309,7 +309,7 @@ class Trainer:
                 self.progress.at(step, "checkpoint")
                 saved = self.checkpointer.save(step + 1, self.strategy, self.schedule, self.sampler)
             # One tiny all-reduce per step: a stop signal seen by any rank stops all after this step.
-            if step + 1 < t.max_steps and StopRequest.agreed(ctx.device, ctx.world_size):
+            if step + 1 < t.max_steps and StopRequest.agreed(ctx.world_size, ctx.host_group):
                 bar.close()
                 self.preempt(step + 1, saved)
         bar.close()
