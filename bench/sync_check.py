@@ -25,13 +25,17 @@ from zerolab import dist as zdist  # noqa: E402
 from zerolab.config import DistConfig, compose  # noqa: E402
 from zerolab.trainer import Trainer  # noqa: E402
 
-CASES = [("ddp", "fp32"), ("ddp", "bf16"), ("zero1", "bf16"), ("zero2", "fp32"), ("zero2", "bf16"),
-         ("zero3", "bf16"), ("zero2", "bf16_pure")]
+# (strategy, precision, more overrides): the clip alone, then the skip decided on the device
+# (fp16's loss scale, trainer.nonfinite=skip: the fused AdamW's found-inf flag).
+CASES = [("ddp", "fp32", ()), ("ddp", "bf16", ()), ("zero1", "bf16", ()), ("zero2", "fp32", ()),
+         ("zero2", "bf16", ()), ("zero3", "bf16", ()), ("zero2", "bf16_pure", ()),
+         ("ddp", "fp16", ()), ("zero2", "fp16", ()), ("zero3", "fp16", ()),
+         ("zero2", "bf16", ("trainer.nonfinite=skip",))]
 STEPS = 4
 
 
-def check(ctx, device: str, strategy: str, precision: str, run_dir: str) -> str:
-    cfg = compose([f"strategy={strategy}", f"precision={precision}", "model=gpt_tiny", "data=synthetic",
+def check(ctx, device: str, strategy: str, precision: str, extra: tuple, run_dir: str) -> str:
+    cfg = compose([f"strategy={strategy}", f"precision={precision}", *extra, "model=gpt_tiny", "data=synthetic",
                    f"dist.device={device}", f"trainer.max_steps={STEPS}", "trainer.log_every=100",
                    "trainer.eval_every=0", "optim.grad_clip=0.05", "logging.wandb.mode=disabled",
                    "logging.progress=false", "run.save_model=false", f"run.dir={run_dir}"])
@@ -70,13 +74,14 @@ def main(argv: list[str]) -> int:
     ctx = zdist.init(DistConfig(device=args.device))
     rows = []
     with tempfile.TemporaryDirectory(prefix="zerolab-sync-") as tmp:
-        for i, (strategy, precision) in enumerate(CASES):
-            rows.append(f"| {strategy} | {precision} | {check(ctx, args.device, strategy, precision, f'{tmp}/{i}')} |")
+        for i, (strategy, precision, extra) in enumerate(CASES):
+            result = check(ctx, args.device, strategy, precision, extra, f"{tmp}/{i}")
+            rows.append(f"| {strategy} | {' '.join((precision, *extra))} | {result} |")
     zdist.shutdown(ctx)
     name = torch.cuda.get_device_name(0) if args.device == "cuda" else "CPU"
     text = [f"\n## Host synchronisation in unlogged steps (bench/sync_check.py), {time.strftime('%Y-%m-%d')}\n",
             f"{name}, torch {torch.__version__}, one rank, gpt_tiny, clip active, trainer.log_every=100.\n",
-            "| strategy | precision | unlogged steps |", "|---|---|---|", *rows]
+            "| strategy | precision, settings | unlogged steps |", "|---|---|---|", *rows]
     print("\n".join(text))
     if args.out:
         with open(args.out, "a") as fh:

@@ -13,6 +13,7 @@ import torch
 
 from conftest import fixed_corpus
 from zerolab.config import compose
+from zerolab.precision import LossScaleUnderflow
 from zerolab.strategies.base import NonFiniteGradient
 from zerolab.trainer import Trainer
 
@@ -56,20 +57,16 @@ class HostReads:
         monkeypatch.setattr(strategy, "step", watched)
 
 
-@pytest.mark.parametrize("strategy,precision", [("ddp", "fp32"), ("ddp", "bf16"), ("zero2", "fp32"),
-                                                ("zero3", "fp32"), ("zero1", "bf16"),
-                                                ("ddp", "bf16_pure"), ("zero2", "bf16_pure"), ("zero3", "bf16")])
-def test_unlogged_steps_clip_on_the_device_bitwise_as_logged_ones(one_rank, tmp_path, monkeypatch,
-                                                                   strategy, precision):
-    """The same run logged at every step (every clip decided on the host) and logged only at its
-    first and last step: bitwise the same weights, the same norms, with the clip active at every
-    step (grad_clip 0.05 is below every norm here); the strategy's step reads nothing on the host
-    at the unlogged steps."""
-    weights, norms = {}, {}
+def logged_vs_unlogged(one_rank, tmp_path, monkeypatch, strategy: str, *extra: str) -> dict:
+    """The same run logged at every step (every decision on the host) and logged only at its first
+    and last step (the steps between decided on the device). Asserts bitwise the same weights,
+    norms, skipped steps and loss scale, and that the strategy's step read nothing on the host at
+    the unlogged steps; returns the host run's norms and skipped flags."""
+    weights, norms, skipped, scale = {}, {}, {}, {}
     for every in (1, 100):
-        trainer = trainer_for(one_rank, tmp_path / str(every), strategy, f"precision={precision}",
-                              f"trainer.log_every={every}", "optim.grad_clip=0.05", "trainer.grad_accum_steps=2")
-        norms[every], reads = [], []
+        trainer = trainer_for(one_rank, tmp_path / str(every), strategy, f"trainer.log_every={every}",
+                              "trainer.grad_accum_steps=2", *extra)
+        norms[every], skipped[every], reads = [], [], []
         for step in range(STEPS):
             logged = trainer.logs_step(step)
             counter = HostReads(monkeypatch, trainer.strategy) if not logged else None
@@ -79,18 +76,50 @@ def test_unlogged_steps_clip_on_the_device_bitwise_as_logged_ones(one_rank, tmp_
                 monkeypatch.undo()
             assert isinstance(info.grad_norm, torch.Tensor) != logged
             norms[every].append((float(info.grad_norm), float(info.grad_norm_clipped)))
+            skipped[every].append(bool(info.skipped))
         weights[every] = trainer.strategy.consolidated_state_dict()
+        scale[every] = trainer.precision.scaler.state_dict()
         trainer.metrics.close()
         trainer.progress.close()
         if every == 100:
             assert reads == [0] * (STEPS - 2), reads  # steps 1..3 unlogged, none read the host
-    assert norms[1] == norms[100]
-    # Clip active: the clipped norm is n·0.05/(n + 1e-6) exactly, up to the two roundings of
-    # that product and quotient in fp64 (~2e-16 each): 1e-12 relative is far above both.
-    assert all(n > 0.05 and c == pytest.approx(0.05 * n / (n + 1e-6), rel=1e-12) for n, c in norms[1]), norms[1]
+    # A skipped step's norm is inf or nan (nan != nan): compare the finite ones, and where the others are.
+    finite = [[n if n == n and abs(n) != float("inf") else "nonfinite" for n in pair] for pair in norms[1]]
+    assert finite == [[n if n == n and abs(n) != float("inf") else "nonfinite" for n in pair] for pair in norms[100]]
+    assert skipped[1] == skipped[100] and scale[1] == scale[100], (skipped, scale)
     assert weights[1].keys() == weights[100].keys()
     for k in weights[1]:
         assert torch.equal(weights[1][k], weights[100][k]), k
+    return {"norms": norms[1], "skipped": skipped[1], "scale": scale[1]}
+
+
+@pytest.mark.parametrize("strategy,precision", [("ddp", "fp32"), ("ddp", "bf16"), ("zero2", "fp32"),
+                                                ("zero3", "fp32"), ("zero1", "bf16"),
+                                                ("ddp", "bf16_pure"), ("zero2", "bf16_pure"), ("zero3", "bf16")])
+def test_unlogged_steps_clip_on_the_device_bitwise_as_logged_ones(one_rank, tmp_path, monkeypatch,
+                                                                   strategy, precision):
+    """The clip active at every step (grad_clip 0.05 is below every norm here): bitwise the same
+    run whether its steps are decided on the host or on the device."""
+    run = logged_vs_unlogged(one_rank, tmp_path, monkeypatch, strategy, f"precision={precision}",
+                             "optim.grad_clip=0.05")
+    # Clip active: the clipped norm is n·0.05/(n + 1e-6) exactly, up to the two roundings of
+    # that product and quotient in fp64 (~2e-16 each): 1e-12 relative is far above both.
+    assert all(n > 0.05 and c == pytest.approx(0.05 * n / (n + 1e-6), rel=1e-12) for n, c in run["norms"]), run
+
+
+@pytest.mark.parametrize("strategy,extra", [
+    ("ddp", ("precision=fp16",)), ("zero1", ("precision=fp16", "optim=sgd_momentum")),
+    ("zero2", ("precision=fp16",)), ("zero3", ("precision=fp16",)),
+    ("ddp", ("trainer.nonfinite=skip",)), ("zero2", ("precision=bf16", "trainer.nonfinite=skip"))])
+def test_unlogged_steps_skip_on_the_device_bitwise_as_logged_ones(one_rank, tmp_path, monkeypatch, strategy, extra):
+    """An inf gradient at unlogged step 2 (fault.inf_grad_step): the fused optimizer skips the
+    update on the device flag, fp16's loss scale halves on the device (and doubles after
+    growth_interval=2 clean steps), bitwise as the host decides them; clip active elsewhere."""
+    run = logged_vs_unlogged(one_rank, tmp_path, monkeypatch, strategy, *extra, "fault.inf_grad_step=2",
+                             "optim.grad_clip=0.05", "precision.growth_interval=2")
+    assert run["skipped"] == [False, False, True, False, False], run
+    if "precision=fp16" in extra:  # x2 after steps 0-1, /2 at step 2, x2 after steps 3-4
+        assert run["scale"] == {"scale": 2.0 ** 17, "clean_steps": 2, "skipped_steps": 1}, run
 
 
 def test_nonfinite_unlogged_step_stops_before_its_weights_are_saved(one_rank, tmp_path):
@@ -106,13 +135,64 @@ def test_nonfinite_unlogged_step_stops_before_its_weights_are_saved(one_rank, tm
     assert not ckpt.exists() or not [d for d in os.listdir(ckpt) if d.startswith("step_")]
 
 
-def test_skip_and_fp16_still_decide_on_the_host(one_rank, tmp_path):
-    """trainer.nonfinite=skip and fp16's loss scale must know before the update whether to skip
-    it: their unlogged steps keep the host decision (a float norm)."""
-    for i, extra in enumerate((["trainer.nonfinite=skip"], ["precision=fp16"])):
-        trainer = trainer_for(one_rank, tmp_path / str(i), "ddp", "trainer.log_every=100", *extra)
-        trainer.train_step(0)
-        _, _, info = trainer.train_step(1)
-        assert not trainer.logs_step(1) and isinstance(info.grad_norm, float), extra
-        trainer.metrics.close()
-        trainer.progress.close()
+def test_skips_decided_on_the_device_are_reported_at_the_next_logged_step(one_rank, tmp_path, caplog):
+    """What the host would have said at once is said when the device's decisions are read: the
+    skipped update (trainer.nonfinite=skip), in the log and in summary.json's count; an fp16
+    overflow that takes the loss scale below precision.min_scale stops the run."""
+    trainer = trainer_for(one_rank, tmp_path / "skip", "ddp", "trainer.log_every=100", "trainer.nonfinite=skip",
+                          "fault.inf_grad_step=2")
+    with caplog.at_level("WARNING", logger="zerolab"):
+        summary = trainer.fit()
+    trainer.metrics.close()
+    trainer.progress.close()
+    assert summary["skipped_steps"] == 1
+    assert any("1 update(s) skipped from step 2 (0-based" in r.getMessage() for r in caplog.records), caplog.text
+    trainer = trainer_for(one_rank, tmp_path / "fp16", "ddp", "trainer.log_every=100", "precision=fp16",
+                          "precision.min_scale=65536", "fault.inf_grad_step=2")
+    with pytest.raises(LossScaleUnderflow, match="step 2: fp16 loss scale would fall to 32768"):
+        trainer.fit()
+    trainer.metrics.close()
+    trainer.progress.close()
+
+
+@pytest.mark.parametrize("extra", [("optim=lamb",), ("optim=lars",), ("precision=bf16_pure",),
+                                   ("optim.impl=foreach",)])
+def test_composed_optimizers_still_skip_on_the_host(one_rank, tmp_path, extra):
+    """Paths whose optimizer takes no found-inf flag (LAMB, LARS, 16-bit weights, the composed
+    AdamW) must know before the update whether to skip it: their unlogged steps keep the host
+    decision (a float norm) when a non-finite norm would skip."""
+    trainer = trainer_for(one_rank, tmp_path / "run", "zero2", "trainer.log_every=100", "trainer.nonfinite=skip",
+                          *extra)
+    trainer.train_step(0)
+    _, _, info = trainer.train_step(1)
+    assert not trainer.logs_step(1) and isinstance(info.grad_norm, float), extra
+    trainer.metrics.close()
+    trainer.progress.close()
+
+
+@pytest.mark.parametrize("every", [1, 100])
+def test_fp16_unscales_by_the_scale_backward_used(one_rank, tmp_path, every):
+    """growth_interval=1: every clean step doubles the loss scale. The gradient the optimizer
+    sees must be the model's fp16 gradient divided by the scale backward multiplied by, not by the
+    doubled one (a power of two either way, so the division is exact and the check is equality;
+    the wrong scale is off by exactly 2x). Host-decided (every=1) and device-decided steps alike."""
+    trainer = trainer_for(one_rank, tmp_path / "run", "ddp", "precision=fp16", "precision.growth_interval=1",
+                          "precision.initial_scale=1024",
+                          f"trainer.log_every={every}", "optim=sgd", "optim.grad_clip=0")
+    strategy, seen = trainer.strategy, []
+    step_group = strategy.optimizer._step_group
+
+    def watched(group):  # the master gradients the update reads, beside the model's (scaled) fp16 ones
+        seen.append([(m.grad.clone(), strategy.master.model_params[i].grad.clone())
+                     for i, m in enumerate(strategy.master.master) if any(m is q for q in group["params"])])
+        return step_group(group)
+    strategy.optimizer._step_group = watched
+    for step in range(3):
+        used, seen[:] = trainer.precision.scaler.scale, []
+        trainer.train_step(step)
+        pairs = [pair for group in seen for pair in group]
+        assert len(pairs) == len(strategy.master.master), step
+        assert all(torch.equal(master, model.float() / used) for master, model in pairs), step
+    assert trainer.precision.scaler.scale == 2.0 ** 13  # 2^10 doubled after each of the 3 clean steps
+    trainer.metrics.close()
+    trainer.progress.close()

@@ -31,39 +31,75 @@ class LossScaleUnderflow(RuntimeError):
 class LossScaler:
     """Dynamic loss scaling for fp16 (Micikevicius et al. 2017): start high, halve and skip the
     step on overflow, double after `growth_interval` clean steps. The overflow flag it receives
-    must already agree across ranks (strategies all-reduce it), so every rank skips together."""
+    must already agree across ranks (strategies all-reduce it), so every rank skips together.
 
-    def __init__(self, cfg: PrecisionConfig, enabled: bool):
+    The scale and its counters are 0-dim tensors on the run's device, so a step can update them
+    without the host knowing whether it overflowed (Strategy.unscale_clip_update on unlogged
+    steps). The scale is fp64: powers of two, and the unscale multiplier coef/scale is then the
+    same fp64 division a Python float gives. A scale that would fall below min_scale is noted,
+    not applied; settle() raises LossScaleUnderflow for it (at once on a host-decided step)."""
+
+    def __init__(self, cfg: PrecisionConfig, enabled: bool, device: torch.device = torch.device("cpu")):
         self.enabled = enabled
-        self.scale = cfg.initial_scale if enabled else 1.0
         self.growth_interval, self.min_scale = cfg.growth_interval, cfg.min_scale
-        self.clean_steps = 0
-        self.skipped_steps = 0
+        self.scale_tensor = torch.full((), cfg.initial_scale if enabled else 1.0, dtype=torch.float64, device=device)
+        self._clean = torch.zeros((), dtype=torch.int64, device=device)
+        self._skipped = torch.zeros((), dtype=torch.int64, device=device)
+        self._underflow_step = torch.full((), -1, dtype=torch.int64, device=device)
 
-    def update(self, found_inf: bool, step: int) -> None:
+    # ---- host views (each a read of the device: logged steps, checkpoints, messages) -----------
+    @property
+    def scale(self) -> float:
+        return float(self.scale_tensor.item())
+
+    @scale.setter
+    def scale(self, value: float) -> None:  # a strategy with its own scaler mirrors it here
+        self.scale_tensor.fill_(value)
+
+    @property
+    def clean_steps(self) -> int:
+        return int(self._clean.item())
+
+    @property
+    def skipped_steps(self) -> int:
+        return int(self._skipped.item())
+
+    def update(self, found_inf, step: int) -> None:
+        """found_inf: a bool, or a 0-dim bool tensor on the scaler's device (nothing read here)."""
         if not self.enabled:
             return
-        if found_inf:
-            self.skipped_steps += 1
-            self.clean_steps = 0
-            new = self.scale / 2
-            if new < self.min_scale:
-                raise LossScaleUnderflow(
-                    f"step {step}: fp16 loss scale would fall to {new:g}, below precision.min_scale="
-                    f"{self.min_scale:g}; the gradients overflow even unscaled. Lower the lr, enable "
-                    "clipping, or use precision=bf16")
-            self.scale = new
-        else:
-            self.clean_steps += 1
-            if self.clean_steps % self.growth_interval == 0:
-                self.scale *= 2
+        found = torch.as_tensor(found_inf, device=self.scale_tensor.device)
+        halved = self.scale_tensor / 2
+        underflow = found & (halved < self.min_scale)
+        self._underflow_step.masked_fill_(underflow & (self._underflow_step < 0), step)
+        self._skipped.add_(found.long())
+        self._clean.add_(1).masked_fill_(found, 0)
+        grow = ~found & (self._clean % self.growth_interval == 0)
+        # Exact in fp64: the scale stays a power of two (x/2 and x*2 round nothing).
+        self.scale_tensor.copy_(torch.where(found & ~underflow, halved,
+                                            torch.where(grow, self.scale_tensor * 2, self.scale_tensor)))
+        if isinstance(found_inf, bool):
+            self.settle()  # a host-decided step raises at once
+
+    def settle(self) -> None:
+        """Raise LossScaleUnderflow if an overflow would have taken the scale below min_scale."""
+        if not self.enabled:
+            return
+        step = int(self._underflow_step.item())
+        if step >= 0:
+            self._underflow_step.fill_(-1)
+            raise LossScaleUnderflow(
+                f"step {step}: fp16 loss scale would fall to {self.scale / 2:g}, below precision.min_scale="
+                f"{self.min_scale:g}; the gradients overflow even unscaled. Lower the lr, enable "
+                "clipping, or use precision=bf16")
 
     def state_dict(self) -> dict:
         return {"scale": self.scale, "clean_steps": self.clean_steps, "skipped_steps": self.skipped_steps}
 
     def load_state_dict(self, state: dict) -> None:
-        self.scale, self.clean_steps = float(state["scale"]), int(state["clean_steps"])
-        self.skipped_steps = int(state["skipped_steps"])
+        self.scale_tensor.fill_(float(state["scale"]))
+        self._clean.fill_(int(state["clean_steps"]))
+        self._skipped.fill_(int(state["skipped_steps"]))
 
 
 @dataclass
@@ -74,13 +110,13 @@ class Precision:
     scaler: LossScaler
 
     @classmethod
-    def from_config(cls, cfg: PrecisionConfig) -> "Precision":
+    def from_config(cls, cfg: PrecisionConfig, device: torch.device = torch.device("cpu")) -> "Precision":
         if cfg.name == "bf16_pure":
             log.warning("precision=bf16_pure: the optimizer updates bf16 weights directly, with no fp32 "
                         "master copy. Updates smaller than ~0.4% of a weight are lost. This mode exists "
                         "to show why master weights matter; use precision=bf16 to train.")
         return cls(cfg.name, _DTYPES[cfg.name], cfg.name in ("bf16", "fp16"),
-                   LossScaler(cfg, enabled=cfg.name == "fp16"))
+                   LossScaler(cfg, enabled=cfg.name == "fp16", device=device))
 
     @property
     def grad_dtype(self) -> torch.dtype:

@@ -119,7 +119,7 @@ class Trainer:
         if run_dir is None:
             run_dir, self.run_lock = resolve_run_dir(cfg, ctx)
         self.run_dir = run_dir
-        self.precision = Precision.from_config(cfg.precision)
+        self.precision = Precision.from_config(cfg.precision, ctx.device)
 
         torch.manual_seed(t.seed)  # same initial weights on every rank
         model = model.to(ctx.device) if model is not None else build_model(cfg.model, device=ctx.device)
@@ -259,7 +259,7 @@ class Trainer:
         clock, eval_loss, loss = StepClock(ctx.device), float("nan"), float("nan")
         bar = Progress(ctx.is_main, cfg.logging.progress, t.max_steps, self.start_step, cfg.strategy.name)
         per_rank: list[dict] = []
-        skipped = 0  # steps whose update was skipped (every rank agrees on each)
+        skipped = 0  # steps whose update was skipped (every rank agrees on each); a device tensor once one was decided there
         last_record = None  # the final step's record: logged by finish, with the final eval
         if ctx.is_main and os.path.exists(os.path.join(self.run_dir, MARKER)):
             os.remove(os.path.join(self.run_dir, MARKER))  # a previous attempt's: this one is running now
@@ -313,7 +313,7 @@ class Trainer:
                 bar.close()
                 self.preempt(step + 1, saved)
         bar.close()
-        summary = self.finish(loss, eval_loss, clock.times(), per_rank, skipped, last_record)
+        summary = self.finish(loss, eval_loss, clock.times(), per_rank, int(skipped), last_record)
         if summary.get("error"):  # after summary.json is written, so the record of the failure exists
             err = ZerolabError(summary["error"])
             err.same_on_every_rank = True  # every rank counted the same skipped steps: rank 0 says it

@@ -7,12 +7,13 @@ Per tensor, with gradient g, step t, lr η, decay λ:
   Adam:   g ← g + λ·w before the moments (classic L2: decay is rescaled by 1/√v̂ like the gradient)
 ε is added after the bias-corrected square root, as torch does.
 
-Kernel: with impl=auto, fp32/fp64 CPU tensors and bias correction on, the step runs in torch's
-fused Adam(W) kernel (torch._fused_adamw_, what torch.optim.AdamW(fused=True) runs): one pass
-over memory, no temporaries, ~5x torch's foreach on CPU. It rounds differently from the composed
-foreach ops (~1e-7 relative after tens of steps), and the same for a flat ZeRO shard as for
-whole tensors, so ddp and zero1/2 stay on one kernel. Otherwise (impl=foreach/for_loop, 16-bit
-weights, CUDA, DTensors, no bias correction) the composed ops below run.
+Kernel: with impl=auto, fp32/fp64 tensors (CPU or CUDA) and bias correction on, the step runs
+in torch's fused Adam(W) kernel (torch._fused_adamw_, what torch.optim.AdamW(fused=True) runs):
+one pass over memory, no temporaries, ~5x torch's foreach on CPU. It rounds differently from the
+composed foreach ops (~1e-7 relative after tens of steps), and the same for a flat ZeRO shard as
+for whole tensors, so ddp and zero1/2/3 stay on one kernel. It also takes a found-inf flag, so an
+update can be skipped on the device (base.step_unless). Otherwise (impl=foreach/for_loop, 16-bit
+weights, DTensors, no bias correction) the composed ops below run.
 """
 from __future__ import annotations
 
@@ -35,15 +36,21 @@ class AdamW(ZerolabOptimizer):
                         bias_correction=bias_correction)
         super().__init__(params, defaults, impl)
 
+    def _fused_group(self, group: dict) -> bool:
+        params, grads, _ = self._live(group)
+        return bool(params) and group["bias_correction"] and self._fusable(
+            params, grads, self._existing_state(params, "exp_avg", "exp_avg_sq"))
+
     def _step_group(self, group: dict) -> None:
-        live = self._adam_moments(group)
+        if self._fused_group(group):
+            self._fused_step(group, *self._adam_state(group))
+            return
+        live = self._adam_state(group)
         if live is None:
             return
-        params, grads, names, m_all, v_all, bc1, bc2 = live
+        params, grads, names, m_all, v_all = live
+        bc1, bc2 = self._bias_corrections(group, params)
         lr, eps, wd = group["lr"], group["eps"], group["weight_decay"]
-        if group["bias_correction"] and self._fusable(params, grads, m_all, v_all):
-            self._fused_step(group, params, grads, names, m_all, v_all)
-            return
         updates = []
         for ps, gs, ms, vs in self._chunks(group, params, grads, m_all, v_all):
             if wd and not self.decoupled:
@@ -62,14 +69,16 @@ class AdamW(ZerolabOptimizer):
 
     def _fused_step(self, group: dict, params: list, grads: list, names: list, m_all: list, v_all: list) -> None:
         """The same math in torch's fused kernel: one pass over memory per tensor, no temporaries
-        (torch.optim.AdamW(fused=True) calls the same kernel; the step counters were advanced by
-        _adam_moments, and the kernel reads them for the bias corrections). Elementwise, so a flat
-        ZeRO shard and the per-tensor (ddp) call give bitwise the same weights."""
+        (torch.optim.AdamW(fused=True) calls the same kernel, which reads the step counters for the
+        bias corrections). Elementwise, so a flat ZeRO shard and the per-tensor (ddp) call give
+        bitwise the same weights."""
         kernel = torch._fused_adamw_ if self.decoupled else torch._fused_adam_
         b1, b2 = group["betas"]
-        self._fused(group, params, names, lambda: kernel(
-            params, grads, m_all, v_all, [], [self.state[p]["step"] for p in params], lr=group["lr"], beta1=b1,
-            beta2=b2, weight_decay=group["weight_decay"], eps=group["eps"], amsgrad=False, maximize=False))
+        steps = self._device_steps(params)
+        self._fused(group, params, names, lambda found_inf: kernel(
+            params, grads, m_all, v_all, [], steps, lr=group["lr"], beta1=b1, beta2=b2,
+            weight_decay=group["weight_decay"], eps=group["eps"], amsgrad=False, maximize=False,
+            found_inf=found_inf), steps)
 
 
 class Adam(AdamW):

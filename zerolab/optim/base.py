@@ -10,12 +10,19 @@ materialising Δw.
 Kernels (`impl`):
   for_loop  one tensor at a time (a Python loop of small kernels)
   foreach   torch's multi-tensor `_foreach_*` ops over the whole group
-  auto      Adam/AdamW and SGD: torch's fused kernel on fp32/fp64 CPU tensors (see adamw.py,
+  auto      Adam/AdamW and SGD: torch's fused kernel on fp32/fp64 tensors (see adamw.py,
             sgd.py and `_fusable`); otherwise foreach when every tensor of a group is dense and on one device
 A flat group (one contiguous fp32 shard from the ZeRO sharder) is a single tensor, so foreach vs
 for_loop does not matter there; the fused kernel does (one pass over memory instead of seven, no
 shard-sized temporaries), and it treats a flat shard and whole tensors alike, so ddp and zero1/2
 run the same kernel.
+
+Skipping on a device flag (`step_unless`): the fused kernels take a found-inf flag and leave
+weights and state untouched where it is set, so a strategy can skip an update (fp16 overflow,
+trainer.nonfinite=skip) without reading the flag on the host; `skips_on_device()` says whether
+every group of this step runs such a kernel. The composed paths (LAMB, LARS, 16-bit weights,
+impl=foreach/for_loop) would each need a masked update, and read their step count on the host:
+for them the strategy decides on the host.
 """
 from __future__ import annotations
 
@@ -41,6 +48,7 @@ class ZerolabOptimizer(torch.optim.Optimizer):
         self.impl = impl
         super().__init__(params, defaults)
         self.track_updates = False
+        self._found_inf: torch.Tensor | None = None  # step_unless's flag, fp32 0-dim, during step() only
         self._update_stats: list[dict] = []
         self._trust_ratios: list[torch.Tensor] = []
 
@@ -97,19 +105,32 @@ class ZerolabOptimizer(torch.optim.Optimizer):
             s += 1
         return int(steps[0].item()) if steps else 0
 
-    def _adam_moments(self, group: dict):
-        """What Adam(W) and LAMB share before their updates differ: the live tensors, their m and
-        v, the advanced step and the bias corrections (1 − βᵗ, or 1 without bias correction).
-        Returns None when no tensor of the group has a gradient."""
+    def _device_steps(self, params: list[torch.Tensor]) -> list[torch.Tensor]:
+        """For a fused kernel: the step counters on their tensors' device (moved there once; torch's
+        fused CUDA kernels read them on the device), advanced by one without a host read."""
+        steps = []
+        for p in params:
+            state = self.state[p]
+            if state["step"].device != p.device:
+                state["step"] = state["step"].to(p.device)
+            steps.append(state["step"])
+        torch._foreach_add_(steps, 1)
+        return steps
+
+    def _adam_state(self, group: dict):
+        """What Adam(W) and LAMB share before their updates differ: the live tensors and their m
+        and v. Returns None when no tensor of the group has a gradient."""
         params, grads, names = self._live(group)
         if not params:
             return None
-        b1, b2 = group["betas"]
         states = [self._state(p, "exp_avg", "exp_avg_sq") for p in params]
+        return params, grads, names, [m for m, _ in states], [v for _, v in states]
+
+    def _bias_corrections(self, group: dict, params: list[torch.Tensor]) -> tuple[float, float]:
+        """Advance the step; the bias corrections 1 − βᵗ (1 without bias correction)."""
         t = self._advance_step(params)
-        bc1 = 1 - b1 ** t if group["bias_correction"] else 1.0
-        bc2 = 1 - b2 ** t if group["bias_correction"] else 1.0
-        return params, grads, names, [m for m, _ in states], [v for _, v in states], bc1, bc2
+        b1, b2 = group["betas"]
+        return (1 - b1 ** t, 1 - b2 ** t) if group["bias_correction"] else (1.0, 1.0)
 
     @staticmethod
     def _update_moments(ms: list, vs: list, gs: list, betas) -> None:
@@ -146,13 +167,23 @@ class ZerolabOptimizer(torch.optim.Optimizer):
             for p, u in zip(params, updates):
                 p.add_(u)
 
-    def _fused(self, group: dict, params: list[torch.Tensor], names: list[str], kernel) -> None:
-        """Run `kernel()`, which updates `params` in one fused pass and never materialises Δw; on
-        logged steps (track_updates) record what landed, from a snapshot taken before."""
+    def _fused(self, group: dict, params: list[torch.Tensor], names: list[str], kernel,
+               steps: list[torch.Tensor] = ()) -> None:
+        """Run `kernel(found_inf)`, which updates `params` in one fused pass, never materialises Δw,
+        and changes nothing where found_inf is set (step_unless's flag, or None); `steps`, the
+        counters _device_steps advanced, go back by the flag. On logged steps (track_updates)
+        record what landed, from a snapshot taken before."""
         before = self._snapshot(params) if self.track_updates else None
-        kernel()
+        kernel(self._found_inf)
+        if self._found_inf is not None and steps:
+            torch._foreach_sub_(list(steps), self._found_inf)
         if before is not None:
             self._record_landed(group, params, before, names)
+
+    def _fused_group(self, group: dict) -> bool:
+        """Whether this group's update runs in a fused kernel that takes a found-inf flag
+        (subclasses with one say when; the composed paths never do)."""
+        return False
 
     @staticmethod
     def _snapshot(params: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -176,18 +207,22 @@ class ZerolabOptimizer(torch.optim.Optimizer):
                                    "weight_sq": w_sq})
 
     def _fusable(self, *lists: list[torch.Tensor]) -> bool:
-        """Whether torch's fused CPU kernel can run over these tensors: impl auto, and every tensor
-        a plain (not DTensor), dense, contiguous fp32/fp64 CPU tensor of one dtype. 16-bit weights
-        keep the composed path: the fused kernel computes them in fp32 and rounds once, which would
-        change bf16_pure's results. CUDA keeps it too: torch's fused CUDA kernel wants the step
-        counters on the device, and zerolab keeps them on the host."""
+        """Whether torch's fused kernel can run over these tensors: impl auto, and every tensor a
+        plain (not DTensor), dense, contiguous fp32/fp64 tensor of one dtype on one CPU or CUDA
+        device (the CUDA kernel reads the step counters there: _device_steps moves them). 16-bit
+        weights keep the composed path: the fused kernel computes them in fp32 and rounds once,
+        which would change bf16_pure's results."""
         if self.impl != "auto":
             return False
         tensors = [t for lst in lists for t in lst]
-        dtype = tensors[0].dtype
-        return dtype in (torch.float32, torch.float64) and all(
-            type(t) in (torch.Tensor, torch.nn.Parameter) and t.device.type == "cpu" and t.dtype == dtype
+        dtype, device = tensors[0].dtype, tensors[0].device
+        return dtype in (torch.float32, torch.float64) and device.type in ("cpu", "cuda") and all(
+            type(t) in (torch.Tensor, torch.nn.Parameter) and t.device == device and t.dtype == dtype
             and t.layout == torch.strided and t.is_contiguous() for t in tensors)
+
+    def _existing_state(self, params: list[torch.Tensor], *names: str) -> list[torch.Tensor]:
+        """The named state tensors of `params` that exist already (none before the first step)."""
+        return [self.state[p][n] for p in params for n in names if n in self.state[p]]
 
     def _record(self, group: dict, params: list[torch.Tensor], updates: list[torch.Tensor],
                 names: list[str], decay: float = 0.0) -> None:
@@ -230,6 +265,21 @@ class ZerolabOptimizer(torch.optim.Optimizer):
 
     def _step_group(self, group: dict) -> None:
         raise NotImplementedError
+
+    def skips_on_device(self) -> bool:
+        """Whether step_unless can skip this step without the host: every group with a gradient
+        runs a kernel that takes the flag."""
+        return all(self._fused_group(g) for g in self.param_groups if any(p.grad is not None for p in g["params"]))
+
+    def step_unless(self, found_inf: torch.Tensor) -> None:
+        """step(), except that nothing changes (weights, state, step counters) where the 0-dim
+        device flag `found_inf` is true; the flag is never read on the host. Only for a step
+        skips_on_device() allows."""
+        self._found_inf = found_inf.to(torch.float32)  # the fused kernels' flag type
+        try:
+            self.step()
+        finally:
+            self._found_inf = None
 
     def pop_update_stats(self) -> list[dict]:
         """Per group: names, update_sq and weight_sq per tensor, and whether they are partial

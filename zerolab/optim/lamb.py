@@ -34,10 +34,11 @@ class Lamb(ZerolabOptimizer):
         super().__init__(params, defaults, impl)
 
     def _step_group(self, group: dict) -> None:
-        live = self._adam_moments(group)
+        live = self._adam_state(group)
         if live is None:
             return
-        params, grads, names, m_all, v_all, bc1, bc2 = live
+        params, grads, names, m_all, v_all = live
+        bc1, bc2 = self._bias_corrections(group, params)
         lr, eps, wd = group["lr"], group["eps"], group["weight_decay"]
         updates = []
         for ps, gs, ms, vs in self._chunks(group, params, grads, m_all, v_all):

@@ -5,7 +5,7 @@
   momentum:  b ← μ·b + g,  Δw = −η·b
 The buffer starts at zero, so the first step gives b = g exactly, as torch's copy does.
 
-Kernel: with impl=auto on fp32/fp64 CPU tensors the step runs in torch's fused SGD kernel
+Kernel: with impl=auto on fp32/fp64 tensors (CPU or CUDA) the step runs in torch's fused SGD kernel
 (torch._fused_sgd_, what torch.optim.SGD(fused=True) runs): one pass over memory and no
 temporaries, for whole tensors (ddp) and a flat ZeRO shard alike. Otherwise the composed ops run.
 """
@@ -31,11 +31,11 @@ class SGD(ZerolabOptimizer):
         lr, mu, wd = group["lr"], group["momentum"], group["weight_decay"]
         # Plain SGD keeps no state at all (state_elements_per_param("sgd") == 0).
         bufs = [self._state(p, "momentum_buffer")[0] for p in params] if mu else [None] * len(params)
-        if mu:
-            self._advance_step(params)
-        if self._fusable(params, grads, bufs if mu else []):
+        if self._fused_group(group):
             self._fused_step(group, params, grads, names, bufs if mu else [])
             return
+        if mu:
+            self._advance_step(params)
         updates = []
         for ps, gs, bs in self._chunks(group, params, grads, bufs):
             d = torch._foreach_add(gs, ps, alpha=wd) if wd else gs
@@ -46,9 +46,14 @@ class SGD(ZerolabOptimizer):
             updates.extend(torch._foreach_mul(d, -lr))  # a new list: Δw never aliases grad or buffer
         self._apply(group, params, updates, names)
 
+    def _fused_group(self, group: dict) -> bool:
+        params, grads, _ = self._live(group)
+        return bool(params) and self._fusable(params, grads, self._existing_state(params, "momentum_buffer"))
+
     def _fused_step(self, group: dict, params: list, grads: list, names: list, bufs: list) -> None:
         """The same math in one fused pass per tensor. is_first_step=False: the zero-initialised
         buffer makes the first step's b = μ·0 + g = g exactly, as torch's copy of g does."""
-        self._fused(group, params, names, lambda: torch._fused_sgd_(
+        steps = self._device_steps(params) if bufs else []  # momentum keeps a step count (plain SGD none)
+        self._fused(group, params, names, lambda found_inf: torch._fused_sgd_(
             params, grads, bufs, weight_decay=group["weight_decay"], momentum=group["momentum"], lr=group["lr"],
-            dampening=0.0, nesterov=False, maximize=False, is_first_step=False))
+            dampening=0.0, nesterov=False, maximize=False, is_first_step=False, found_inf=found_inf), steps)

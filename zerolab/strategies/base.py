@@ -53,8 +53,17 @@ class StepInfo:
     # device tensors on steps decided on the device (read them on logged steps only).
     grad_norm: float
     grad_norm_clipped: float
-    skipped: bool = False  # True when the update was skipped (overflow / non-finite)
+    # True when the update was skipped (overflow / non-finite); a 0-dim device bool on steps
+    # decided on the device (read it on logged steps only).
+    skipped: bool = False
     extra: dict = field(default_factory=dict)  # strategy- or optimizer-specific metrics
+
+    @property
+    def known_skipped(self) -> bool:
+        """Whether the host knows the update was skipped. A device-decided step may have updated,
+        so whatever follows an update (refreshing the model's weights) runs: after a skip it
+        rewrites the same values."""
+        return self.skipped is True
 
 
 class Strategy(MemoryModel, TransientPeak, abc.ABC):  # predict_memory; transient bytes it records while running
@@ -87,7 +96,7 @@ class Strategy(MemoryModel, TransientPeak, abc.ABC):  # predict_memory; transien
         self.comm = CommCounter(ctx.world_size)
         self.optimizer: Optional[torch.optim.Optimizer] = None
         self.step_count = 0  # optimizer steps taken (skipped ones included); restore_step sets it on resume
-        self._first_nonfinite: Optional[torch.Tensor] = None  # device: first unlogged step with a non-finite norm, or -1
+        self._device_pending: Optional[dict[str, torch.Tensor]] = None  # what settle() reads (_pending)
 
     # ---- protocol -------------------------------------------------------------------------
     @abc.abstractmethod
@@ -104,7 +113,8 @@ class Strategy(MemoryModel, TransientPeak, abc.ABC):  # predict_memory; transien
 
     def backward(self, loss: torch.Tensor) -> None:
         scaler = self.precision.scaler
-        (loss * scaler.scale if scaler.enabled else loss).backward()
+        # The scale as a device tensor (a power of two: exact in the loss's dtype), never read here.
+        (loss * scaler.scale_tensor.to(loss.dtype) if scaler.enabled else loss).backward()
 
     @abc.abstractmethod
     def step(self, lr: float, stats_level: int = 0) -> StepInfo:
@@ -202,22 +212,22 @@ class Strategy(MemoryModel, TransientPeak, abc.ABC):  # predict_memory; transien
         (one all-reduce when sharded), overflow check agreed by all ranks, one multiply that
         unscales and clips, then the optimizer update unless the step must be skipped.
 
-        On a step that is not logged (stats_level 0), without a loss scale and with
-        trainer.nonfinite=stop, nothing is read on the host: the clip coefficient is applied as a
-        device tensor and a non-finite norm is only noted on the device; settle() raises for it
-        at the next logged step or checkpoint (the run stops either way, so no update has to be
-        skipped, and skipping is what would need the host). Logged steps, fp16's loss scale and
-        trainer.nonfinite=skip decide on the host, as before."""
+        A step that is not logged (stats_level 0) decides all of this on the device when it can
+        (_decides_on_device): nothing is read on the host, and what the host would have said (a
+        non-finite norm that stops the run, skipped updates, a loss-scale underflow) is said by
+        settle() at the next logged step or checkpoint. Logged steps decide on the host (they read
+        the loss anyway) and name the non-finite tensor."""
         if stats_level:
             self.settle()  # a logged step reads the host anyway
-        scaler = self.precision.scaler
         sq = grad_norm_sq(grads).to(self.ctx.device)
         if self.sharded_grads and self.ctx.world_size > 1:
             self.comm.record("all_reduce", sq)
             dist.all_reduce(sq)
         if not stats_level and self._decides_on_device(grads):
-            return self._clip_on_device(grads, sq)
-        norm = math.sqrt(sq.item()) / scaler.scale
+            return self._update_on_device(grads, sq)
+        scaler = self.precision.scaler
+        scale = scaler.scale if scaler.enabled else 1.0  # the one backward multiplied by, before update() changes it
+        norm = math.sqrt(sq.item()) / scale
         finite = math.isfinite(norm)
         scaler.update(found_inf=not finite, step=self.step_count)
         if not finite:
@@ -234,7 +244,7 @@ class Strategy(MemoryModel, TransientPeak, abc.ABC):  # predict_memory; transien
             self.step_count += 1
             return StepInfo(grad_norm=norm, grad_norm_clipped=norm, skipped=True)
         coef = clip_coefficient(norm, self.cfg.optim.grad_clip)
-        multiplier = coef / (scaler.scale if scaler.enabled else 1.0)
+        multiplier = coef / scale
         if multiplier != 1.0 and grads:
             torch._foreach_mul_(grads, multiplier)
         extra = self._optimizer_step(stats_level)
@@ -242,67 +252,108 @@ class Strategy(MemoryModel, TransientPeak, abc.ABC):  # predict_memory; transien
         return StepInfo(grad_norm=norm, grad_norm_clipped=norm * coef, extra=extra)
 
     # ---- deciding on the device ------------------------------------------------------------------
-    def _decides_on_device(self, grads: list[torch.Tensor]) -> bool:
-        """Whether this step's clip can be decided without reading the norm on the host: no loss
-        scale to update, nothing to skip (nonfinite=stop), plain tensors (a DTensor gradient
-        cannot be multiplied by a plain device tensor)."""
-        return (not self.precision.scaler.enabled and self.cfg.trainer.nonfinite == "stop"
-                and all(type(g) is torch.Tensor for g in grads))
+    def _skips(self) -> bool:
+        """Whether a non-finite norm skips the update (fp16's overflow, trainer.nonfinite=skip)
+        rather than stopping the run."""
+        return self.precision.scaler.enabled or self.cfg.trainer.nonfinite == "skip"
 
-    def _clip_on_device(self, grads: list[torch.Tensor], sq: torch.Tensor) -> StepInfo:
-        """The host path's arithmetic on a 0-dim fp64 tensor: the same IEEE operations as
-        math.sqrt and clip_coefficient on Python floats, so the coefficient, and the gradients it
-        multiplies, are bitwise the host path's on CPU (an exact 1.0 when the clip is not active;
-        tests/test_device_step.py). On CUDA the two may differ in the last bit of a 16-bit
-        gradient, by how each multiply rounds the coefficient (not measured: no GPU here).
-        A non-finite norm makes the weights non-finite too; settle() stops the run before any
-        of them is saved or logged."""
+    def _decides_on_device(self, grads: list[torch.Tensor]) -> bool:
+        """Whether this step can be decided without reading the norm on the host: plain tensors
+        (a DTensor gradient cannot be multiplied by a plain device tensor), and, when a non-finite
+        norm must skip the update, an optimizer that can skip on a device flag
+        (ZerolabOptimizer.skips_on_device: torch's fused Adam/AdamW/SGD kernels). When the run
+        stops on a non-finite norm instead, nothing has to be skipped: the update goes ahead and
+        settle() stops the run before its weights are saved or logged."""
+        if not all(type(g) is torch.Tensor for g in grads):
+            return False
+        if not self._skips():
+            return True
+        skips = getattr(self.optimizer, "skips_on_device", None)
+        return skips is not None and skips()
+
+    def _update_on_device(self, grads: list[torch.Tensor], sq: torch.Tensor) -> StepInfo:
+        """The host path's arithmetic on 0-dim fp64 tensors: the same IEEE operations as math.sqrt,
+        clip_coefficient and coef/scale on Python floats, so the multiplier, and the gradients it
+        multiplies, are bitwise the host path's on CPU (an exact 1.0 when neither clip nor scale
+        acts; tests/test_device_step.py). On CUDA the two may differ in the last bit of a 16-bit
+        gradient, by how each multiply rounds the multiplier (not measured: no GPU here).
+        A non-finite norm either skips the update on the optimizer's device flag (and the loss
+        scale halves on the device), or, when the run must stop, is noted for settle()."""
+        scaler, max_norm = self.precision.scaler, self.cfg.optim.grad_clip
         norm = sq.double().sqrt()
-        bad = ~torch.isfinite(norm)
-        if self._first_nonfinite is None:
-            self._first_nonfinite = torch.full((), -1, dtype=torch.int64, device=norm.device)
-        first = self._first_nonfinite
-        first.masked_fill_(bad & (first < 0), self.step_count)  # in place, no host read
+        if scaler.enabled:
+            norm = norm / scaler.scale_tensor
+        found = ~torch.isfinite(norm)
         clipped = norm
-        max_norm = self.cfg.optim.grad_clip
-        if max_norm > 0 and grads:
+        if (max_norm > 0 or scaler.enabled) and grads:
             # full_like: `float / tensor` would run as reciprocal-then-multiply, a different rounding
-            coef = torch.clamp(torch.full_like(norm, max_norm) / (norm + 1e-6), max=1.0)
+            coef = torch.clamp(torch.full_like(norm, max_norm) / (norm + 1e-6), max=1.0) if max_norm > 0 \
+                else torch.ones_like(norm)
+            multiplier = coef / scaler.scale_tensor if scaler.enabled else coef  # the scale before update()
             # In each gradient's dtype: what _foreach_mul_ with a Python float does with it on CPU
             # (a 16-bit gradient is multiplied by the 16-bit coefficient), so bitwise the host path.
             for dtype in {g.dtype for g in grads}:
-                torch._foreach_mul_([g for g in grads if g.dtype == dtype], coef.to(dtype))
+                torch._foreach_mul_([g for g in grads if g.dtype == dtype], multiplier.to(dtype))
             clipped = norm * coef
-        extra = self._optimizer_step(0)
+        pending = self._pending()
+        pending["first"].masked_fill_(found & (pending["first"] < 0), self.step_count)  # in place, no host read
+        skip = None
+        if self._skips():
+            pending["count"].add_(found.long())
+            scaler.update(found, self.step_count)
+            skip = found
+        extra = self._optimizer_step(0, skip)
         self.step_count += 1
-        return StepInfo(grad_norm=norm, grad_norm_clipped=clipped, extra=extra)
+        return StepInfo(grad_norm=norm, grad_norm_clipped=clipped, extra=extra, skipped=False if skip is None else skip)
+
+    def _pending(self) -> dict[str, torch.Tensor]:
+        """What device-decided steps leave for settle(): the first step whose norm was not finite
+        (-1: none) and how many updates were skipped, as device tensors."""
+        if self._device_pending is None:
+            device = self.ctx.device
+            self._device_pending = {"first": torch.full((), -1, dtype=torch.int64, device=device),
+                                    "count": torch.zeros((), dtype=torch.int64, device=device)}
+        return self._device_pending
 
     def settle(self) -> None:
-        """Read what steps decided on the device left pending: raise NonFiniteGradient, naming the
-        first step whose gradient norm was not finite, if there was one. The trainer's logged
-        steps and zerolab.checkpoint call it, so a non-finite weight is never saved or logged."""
-        first = self._first_nonfinite
-        if first is None:
+        """Read what steps decided on the device left pending, and say it as the host path would
+        have: raise NonFiniteGradient (trainer.nonfinite=stop without a loss scale) naming the
+        first step whose gradient norm was not finite; log the updates skipped since the last
+        settle (trainer.nonfinite=skip, fp16 overflows); raise LossScaleUnderflow if an overflow
+        would have taken the loss scale below its minimum. The trainer's logged steps and
+        zerolab.checkpoint call it, so a non-finite weight is never saved or logged."""
+        pending, self._device_pending = self._device_pending, None
+        if pending is None:
             return
-        self._first_nonfinite = None
-        bad = int(first.item())
-        if bad >= 0:
+        first, count = int(pending["first"].item()), int(pending["count"].item())
+        later = (f"(seen at step {self.step_count}: steps that are not logged decide on the device; "
+                 "trainer.log_every=1 decides every step on the host and names the tensor)")
+        if first >= 0 and not self._skips():
             raise NonFiniteGradient(
-                f"{self._where(bad)}: the gradient norm is not finite (seen at step {self.step_count}: steps "
-                "that are not logged check it on the device; trainer.log_every=1 checks every step on the "
-                "host and names the tensor); lower the lr, enable clipping (optim.grad_clip) or set "
-                "trainer.nonfinite=skip")
+                f"{self._where(first)}: the gradient norm is not finite {later}; lower the lr, enable "
+                "clipping (optim.grad_clip) or set trainer.nonfinite=skip")
+        self.precision.scaler.settle()
+        if count and self.precision.scaler.enabled:
+            _log.info("%d fp16 overflow(s) from %s on: updates skipped, loss scale now %g %s", count,
+                      self._where(first), self.precision.scaler.scale, later)
+        elif count:
+            _log.warning("%d update(s) skipped from %s on: the gradient norm was not finite "
+                         "(trainer.nonfinite=skip) %s", count, self._where(first), later)
 
     @staticmethod
     def _where(step: int) -> str:
         return f"step {step} (0-based, as fault.*_step; \"step\": {step + 1} in metrics.jsonl)"
 
     # ---- watching the optimizer ----------------------------------------------------------------
-    def _optimizer_step(self, level: int) -> dict:
-        """The optimizer's update, measured as `level` asks (see step)."""
+    def _optimizer_step(self, level: int, skip: Optional[torch.Tensor] = None) -> dict:
+        """The optimizer's update, measured as `level` asks (see step); a no-op where the device
+        flag `skip` is set (only passed to an optimizer whose skips_on_device() said yes)."""
         opt = self.optimizer
         if not level:
-            opt.step()
+            if skip is None:
+                opt.step()
+            else:
+                opt.step_unless(skip)
             return {}
         tracks = hasattr(opt, "pop_update_stats")  # zerolab's optimizers; torch's are only timed
         if tracks:

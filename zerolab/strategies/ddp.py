@@ -68,7 +68,7 @@ class DDPStrategy(Strategy):
         grads = [p.grad for p in self._optimizer_params() if p.grad is not None]
         info = self.unscale_clip_update(grads, stats_level)
         if self.master:
-            if not info.skipped:
+            if not info.known_skipped:
                 self.master.master_to_model()
             for m in self.master.master:
                 m.grad = None  # the fp32 grad copy is transient

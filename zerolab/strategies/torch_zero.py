@@ -56,7 +56,7 @@ class TorchZeroStrategy(DDPStrategy):
 
     def step(self, lr: float, stats_level: int = 0) -> StepInfo:
         info = super().step(lr, stats_level)
-        if not info.skipped and self.ctx.world_size > 1:
+        if not info.known_skipped and self.ctx.world_size > 1:
             self.comm.record("broadcast", self.broadcast_numel, self.broadcast_elem)
         return info
 

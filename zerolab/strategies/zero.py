@@ -269,7 +269,7 @@ class ZeroStrategy(Strategy):
         self.set_lr(lr)
         self._drain()
         info = self.unscale_clip_update([g.master.grad for g in self.groups], stats_level)
-        if not info.skipped:
+        if not info.known_skipped:
             self._all_gather_params(wait=False)  # completes behind the next forward
         for g in self.groups:
             g.master.grad.zero_()

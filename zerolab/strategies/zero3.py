@@ -295,7 +295,7 @@ class Zero3Strategy(ZeroStrategy):
         self._drain()
         with self._fp32_grads():
             info = self.unscale_clip_update([g.master.grad for g in self.groups], stats_level)
-        if not info.skipped:
+        if not info.known_skipped:
             self._refresh_local()  # the next forward all-gathers the new weights: no all-gather here
         for shard in self.grad_shards:
             shard.zero_()
