@@ -3,11 +3,12 @@
     python bench/sync_check.py [--device cuda] [--out bench/RESULTS.md]
 
 For each strategy and precision: a run with trainer.log_every=100 (steps 0 and the last are
-logged, the ones between are not), whose unlogged steps run the strategy's step (reduction, clip,
-update) under torch.cuda.set_sync_debug_mode("error"): the first call that synchronises the host
-with the device raises and is reported. tests/test_device_step.py checks the same on CPU by
-counting tensor reads; this is the check that means something, and it needs a CUDA device. With
---device cpu it only runs the steps (nothing can be caught there). Appends its table to --out.
+logged, the ones between are not), whose unlogged steps run whole (batch to the device, forward,
+backward, reduction, clip, update) under torch.cuda.set_sync_debug_mode("error"): the first call
+that synchronises the host with the device raises and is reported. tests/test_device_step.py
+checks the strategy's step on CPU by counting tensor reads; this is the check that means
+something, and it needs a CUDA device. With --device cpu it only runs the steps (nothing can be
+caught there). Appends its table to --out.
 """
 from __future__ import annotations
 
@@ -40,25 +41,20 @@ def check(ctx, device: str, strategy: str, precision: str, extra: tuple, run_dir
                    "trainer.eval_every=0", "optim.grad_clip=0.05", "logging.wandb.mode=disabled",
                    "logging.progress=false", "run.save_model=false", f"run.dir={run_dir}"])
     trainer = Trainer(cfg, ctx)
-    step_fn = trainer.strategy.step
-
-    def watched(*args, **kwargs):
-        if device == "cuda":
-            torch.cuda.set_sync_debug_mode("error")
-        try:
-            return step_fn(*args, **kwargs)
-        finally:
-            if device == "cuda":
-                torch.cuda.set_sync_debug_mode("default")
     try:
         for step in range(STEPS):
-            trainer.strategy.step = watched if not trainer.logs_step(step) else step_fn
-            trainer.train_step(step)
+            guarded = device == "cuda" and not trainer.logs_step(step)
+            if guarded:
+                torch.cuda.set_sync_debug_mode("error")
+            try:
+                trainer.train_step(step)
+            finally:
+                if guarded:
+                    torch.cuda.set_sync_debug_mode("default")
         return "no synchronisation" if device == "cuda" else "ran (CPU: nothing to catch)"
     except RuntimeError as err:
         return f"synchronises: {str(err).splitlines()[0][:160]}"
     finally:
-        trainer.strategy.step = step_fn
         trainer.metrics.close()
         trainer.progress.close()
 

@@ -163,6 +163,19 @@ def check_data(cfg: DataConfig, block_size: int) -> None:
         check_token_file(token_path(cfg), block_size, cfg.val_fraction)
 
 
+def windows_to_batch(windows: torch.Tensor, device: torch.device) -> Batch:
+    """Inputs and targets (views of one copy) of token windows (batch, block_size + 1) on `device`.
+    On CUDA the windows cross once, from pinned memory, without blocking: a plain .to() from
+    pageable memory waits for every kernel already queued (the previous step's update and
+    all-gathers), so the host could not prepare the next step while the device runs this one.
+    Torch's pinned-memory cache keeps the source alive until the copy is done."""
+    if device.type == "cuda":
+        windows = windows.pin_memory().to(device, non_blocking=True)
+    else:
+        windows = windows.to(device)
+    return Batch(windows[:, :-1], windows[:, 1:])
+
+
 class TokenData:
     """Train/val splits of a token file, with the sampler and eval batches."""
 
@@ -180,8 +193,7 @@ class TokenData:
     def _gather(self, split: str, windows: list[int], device: torch.device) -> Batch:
         base = 0 if split == "train" else self.train_end
         rows = np.stack([self.tokens[base + w * self.window: base + (w + 1) * self.window] for w in windows])
-        t = torch.from_numpy(rows.astype(np.int64))
-        return Batch(t[:, :-1].to(device), t[:, 1:].to(device))
+        return windows_to_batch(torch.from_numpy(rows.astype(np.int64)), device)
 
     def train_batch(self, sampler: WindowSampler, step: int, rank: int, micro: int, device) -> Batch:
         return self._gather("train", sampler.windows(step, rank, micro), device)
@@ -209,8 +221,8 @@ class SyntheticData:
 
     def _rand(self, key: int, micro_batch: int, device) -> Batch:
         g = torch.Generator().manual_seed(key)
-        t = torch.randint(0, self.vocab_size, (micro_batch, self.block_size + 1), generator=g)
-        return Batch(t[:, :-1].to(device), t[:, 1:].to(device))
+        return windows_to_batch(torch.randint(0, self.vocab_size, (micro_batch, self.block_size + 1), generator=g),
+                                device)
 
     def train_batch(self, sampler: WindowSampler, step: int, rank: int, micro: int, device) -> Batch:
         return self._rand(_mix(self.seed, step, rank, micro), sampler.micro_batch, device)
