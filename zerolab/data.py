@@ -163,13 +163,13 @@ def check_data(cfg: DataConfig, block_size: int) -> None:
         check_token_file(token_path(cfg), block_size, cfg.val_fraction)
 
 
-def windows_to_batch(windows: torch.Tensor, device: torch.device) -> Batch:
+def windows_to_batch(windows: torch.Tensor, device) -> Batch:
     """Inputs and targets (views of one copy) of token windows (batch, block_size + 1) on `device`.
     On CUDA the windows cross once, from pinned memory, without blocking: a plain .to() from
     pageable memory waits for every kernel already queued (the previous step's update and
     all-gathers), so the host could not prepare the next step while the device runs this one.
     Torch's pinned-memory cache keeps the source alive until the copy is done."""
-    if device.type == "cuda":
+    if torch.device(device).type == "cuda":  # callers may pass "cpu"/"cuda" strings
         windows = windows.pin_memory().to(device, non_blocking=True)
     else:
         windows = windows.to(device)
