@@ -113,7 +113,7 @@ class Strategy(MemoryModel, TransientPeak, abc.ABC):  # predict_memory; transien
 
     def backward(self, loss: torch.Tensor) -> None:
         scaler = self.precision.scaler
-        # The scale as a device tensor (a power of two: exact in the loss's dtype), never read here.
+        # The scale as a device tensor, never read here (a power of two: exact in lm_loss's fp32).
         (loss * scaler.scale_tensor.to(loss.dtype) if scaler.enabled else loss).backward()
 
     @abc.abstractmethod
