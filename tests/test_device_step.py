@@ -31,8 +31,9 @@ def trainer_for(ctx, run_dir, strategy: str, *extra: str) -> Trainer:
 
 class HostReads:
     """Counts the ways a tensor's value reaches Python (each one a device sync on CUDA) while the
-    strategy's step runs. The optimizer's step counters are left out: they are CPU tensors on
-    every device (zerolab.optim.base), so reading them never waits for the device."""
+    strategy's step runs. The composed optimizers' step counters are left out: they are CPU
+    tensors on every device (zerolab.optim.base), so reading them never waits for the device (the
+    fused kernels' counters live on the device and are never read)."""
     WAYS = ("item", "tolist", "__bool__", "__float__", "__int__")
 
     def __init__(self, monkeypatch, strategy):
