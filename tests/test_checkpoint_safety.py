@@ -174,12 +174,14 @@ def test_deepspeed_restores_comm_backend(tmp_path):
     """deepspeed.comm's backend carries zerolab's counting wrappers only while the run lasts."""
     pytest.importorskip("deepspeed")
     script = (
-        "import sys; from zerolab.config import compose; from zerolab.trainer import run\n"
+        "import os, sys; from zerolab.config import compose; from zerolab.trainer import run\n"
         "import deepspeed.comm.comm as c\n"
         f"run(compose(sys.argv[1:]))\n"
         "b = c.cdb\n"
         "left = [m for m in ('all_reduce', 'broadcast', 'reduce_scatter_tensor') if m in vars(b)]\n"
-        "print('cdb', 'patched' if left or hasattr(b, '_zerolab_counting') else 'restored', left)\n")
+        "state = 'patched' if left or hasattr(b, '_zerolab_counting') else 'restored'\n"
+        # one write() per rank: two ranks' print() pieces could interleave on the shared pipe
+        "os.write(1, f'cdb {state} {left}\\n'.encode())\n")
     worker = tmp_path / "worker.py"
     worker.write_text(script)
     cmd = [*TORCHRUN, "--standalone", "--nproc_per_node=2", str(worker), *TINY, *DS, "trainer.max_steps=1",

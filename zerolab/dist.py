@@ -108,7 +108,9 @@ def init(cfg: DistConfig) -> DistContext:
         store = dist.HashStore()
     dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout,
                             device_id=device if backend == "nccl" else None)
-    host_group = dist.new_group(backend="gloo") if world > 1 else None
+    # The same timeout as the default group (new_group's own default is 30 minutes): a dead or
+    # frozen rank must fail the stop agreement as soon as it fails any other collective.
+    host_group = dist.new_group(backend="gloo", timeout=timeout) if world > 1 else None
     return DistContext(rank=rank, local_rank=local_rank, world_size=world, device=device, backend=backend,
                        store=store, host_group=host_group)
 
