@@ -6,8 +6,9 @@ logs and the status file, and so that every node of a multi-node job is handed t
 comes from zerolab.trainer.new_run_dir: <run.root>/<experiment>/<time>-<strategy>[-job<id>]; a
 requeued Slurm job gets the directory its first start chose (found by its job id).
 Composing the config also validates it: a bad override, a given token file that is missing, empty
-or too short (zerolab.data.check_token_file), or a run.dir that another job holds
-(zerolab/runlock.py) exits with code 2 here, before any allocation or process group is used.
+or too short (zerolab.data.check_token_file), a run.dir that another job holds (zerolab/runlock.py)
+or a fresh start over another run's record (zerolab/record.py) exits with code 2 here, before any
+allocation or process group is used.
 
   python launch/run_dir.py strategy=zero2 trainer.max_steps=5   ->  /abs/runs/default/...-zero2
 """
@@ -17,7 +18,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from zerolab import runlock  # noqa: E402
+from zerolab import record, runlock  # noqa: E402
+from zerolab.checkpoint import checkpoint_dir  # noqa: E402
 from zerolab.config import ConfigError, check_overrides, compose  # noqa: E402
 from zerolab.data import check_token_file  # noqa: E402
 from zerolab.trainer import new_run_dir  # noqa: E402
@@ -46,6 +48,7 @@ def choose(overrides: list[str]) -> str:
         check_token_file(cfg.data.path, cfg.model.block_size, cfg.data.val_fraction)
     path = os.path.abspath(cfg.run.dir or requeued_run_dir(cfg) or new_run_dir(cfg))
     runlock.check_free(path)  # a held directory: refuse before the launcher writes logs into it
+    record.check(cfg, path, checkpoint_dir(cfg, path))  # another run's record: a fresh start here is refused
     os.makedirs(path, exist_ok=True)
     return path
 

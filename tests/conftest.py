@@ -32,6 +32,10 @@ def _guarded_popen_init(self, *args, **kwargs):
 
 subprocess.Popen.__init__ = _guarded_popen_init
 
+# matplotlib builds its font cache on first use by running `fc-list` (a process): build it now,
+# while starting processes is allowed, so an in-process test that draws a figure stays in-process.
+import matplotlib.font_manager  # noqa: E402,F401
+
 
 def pytest_runtest_setup(item):
     # Runs before any fixture of the item, module-scoped ones included.
@@ -184,3 +188,47 @@ def rel_l2_diff(a: dict, b: dict) -> float:
     normalised update turns last-bit summation differences into lr-sized steps."""
     assert a.keys() == b.keys(), f"different tensor names: {sorted(a.keys() ^ b.keys())}"
     return max(((a[k].double() - b[k].double()).norm() / b[k].double().norm().clamp_min(1e-12)).item() for k in a)
+
+
+# ---- wandb's offline run files, read back -----------------------------------------------------
+# An offline run writes <dir>/wandb/offline-run-<time>-<id>/run-<id>.wandb: wandb's protobuf
+# Records in the LevelDB log format (a 7-byte file header ":W&B" + magic 0xBEE1 + version 0, then
+# 32 KiB blocks of chunks, each with a 7-byte header: crc32c, length, type FULL/FIRST/MIDDLE/LAST;
+# a block's last < 7 bytes are zero padding). wandb 0.31 no longer ships a Python reader.
+def _wandb_records(path: Path):
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    data, block, pos, parts = path.read_bytes(), 32768, 7, []
+    assert data[:4] == b":W&B", f"{path}: not a wandb run file"
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:  # padding at the end of a block
+            pos += block - pos % block
+            continue
+        length, kind = int.from_bytes(data[pos + 4:pos + 6], "little"), data[pos + 6]
+        if length == 0 and kind == 0:
+            break
+        parts.append(data[pos + 7:pos + 7 + length])
+        pos += 7 + length
+        if kind in (1, 4):  # FULL or LAST: a record is complete
+            record = pb.Record()
+            record.ParseFromString(b"".join(parts))
+            parts = []
+            yield record
+
+
+def wandb_offline_runs(run_dir: Path) -> list[dict]:
+    """Every offline wandb run under run_dir/wandb, oldest first: its id, group, job type, and the
+    `_step` and keys of each history row it logged."""
+    runs = []
+    for path in sorted((Path(run_dir) / "wandb").glob("offline-run-*/run-*.wandb")):
+        run = {"path": path, "steps": [], "keys": set()}
+        for record in _wandb_records(path):
+            kind = record.WhichOneof("record_type")
+            if kind == "run":
+                run.update(id=record.run.run_id, group=record.run.run_group, job_type=record.run.job_type)
+            elif kind == "history":
+                items = {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in record.history.item}
+                run["steps"].append(items.get("_step"))
+                run["keys"] |= set(items)
+        runs.append(run)
+    return runs

@@ -136,6 +136,9 @@ class RunConfig:
     dir: str = ""  # empty: rank 0 creates <root>/<experiment>/<time>-<strategy> and shares it
     root: str = "runs"
     save_model: bool = True
+    # A fresh start in a run.dir that holds a run's record (metrics, results, checkpoints) is
+    # refused (zerolab/record.py); true removes that record first, naming what it removes.
+    overwrite: bool = False
 
 
 @dataclass
@@ -152,7 +155,9 @@ class FaultConfig:
     kill_rank: int = -1  # rank that fails ...
     at_step: int = -1  # ... when it reaches this step
     mode: str = "exit"  # exit (os._exit) | raise | hang (before at_step) | stop (SIGSTOP inside at_step)
-    phase: str = "backward"  # mode=stop: forward | backward | optimizer
+    # mode=stop: forward | backward | optimizer. mode=exit with phase=record_cut: rank 0 exits
+    # while a resume cuts metrics.jsonl back (between writing the kept prefix and its rename)
+    phase: str = "backward"
     inf_grad_step: int = -1  # put an inf into one gradient at this step (loss-scaling tests)
     inf_grad_rank: int = 0
 
@@ -345,6 +350,9 @@ def validate(cfg: DictConfig | Config, world_size: Optional[int] = None) -> Conf
     _choice("dist.backend", cfg.dist.backend, ("auto", "nccl", "gloo"))
     _choice("dist.device", cfg.dist.device, ("auto", "cpu", "cuda"))
     _positive("dist.timeout_s", cfg.dist.timeout_s)
+    if cfg.run.overwrite and cfg.checkpoint.resume:
+        raise ConfigError(f"run.overwrite=true removes the run directory's record, checkpoints included, and "
+                          f"checkpoint.resume={cfg.checkpoint.resume} asks to continue from it: choose one")
     if d.global_batch:
         per_step = d.micro_batch * world
         if d.global_batch % per_step:

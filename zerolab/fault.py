@@ -34,6 +34,7 @@ from zerolab.config import ConfigError, FaultConfig
 log = logging.getLogger("zerolab")
 MODES = ("exit", "raise", "hang", "stop")
 PHASES = ("forward", "backward", "optimizer")
+RECORD_CUT = "record_cut"  # fault.mode=exit: die inside the resume's cut of metrics.jsonl (zerolab.record)
 
 
 class InjectedFault(RuntimeError):
@@ -56,6 +57,8 @@ class FaultInjector:
             raise ConfigError(f"fault.kill_rank={cfg.kill_rank} but the job has {world_size} ranks")
         if cfg.mode == "stop" and cfg.phase not in PHASES:
             raise ConfigError(f"fault.phase={cfg.phase!r} is not valid; allowed values: {', '.join(PHASES)}")
+        if cfg.phase == RECORD_CUT and cfg.mode != "exit":
+            raise ConfigError(f"fault.phase={RECORD_CUT} goes with fault.mode=exit (got fault.mode={cfg.mode})")
         self.cfg, self.rank = cfg, rank
         self.armed = cfg.kill_rank == rank and cfg.at_step >= 0 and restart_count() == 0
 
@@ -75,8 +78,16 @@ class FaultInjector:
         else:
             self._stop_now(step, phase)
 
+    def in_record_cut(self) -> None:
+        """fault.phase=record_cut: exit while the resume's cut of the record is half done (its
+        temporary file written, not yet renamed over metrics.jsonl)."""
+        if self.armed and self.cfg.phase == RECORD_CUT:
+            print(f"zerolab fault injection: rank {self.rank} exits while cutting the record back", file=sys.stderr,
+                  flush=True)
+            os._exit(1)
+
     def before_step(self, step: int) -> None:
-        if not self.armed or step != self.cfg.at_step or self.cfg.mode == "stop":
+        if not self.armed or step != self.cfg.at_step or self.cfg.mode == "stop" or self.cfg.phase == RECORD_CUT:
             return
         msg = f"zerolab fault injection: rank {self.rank} fails before step {step} (fault.mode={self.cfg.mode})"
         print(msg, file=sys.stderr, flush=True)

@@ -9,9 +9,11 @@ import json
 import logging
 import math
 import os
+import secrets
 import sys
 from typing import Optional
 
+from zerolab.atomic import atomic_write_text
 from zerolab.config import LoggingConfig
 
 log = logging.getLogger(__name__)
@@ -38,7 +40,9 @@ def wandb_init_kwargs(cfg: LoggingConfig, run_dir: str, experiment: str, job_typ
     kwargs = dict(project=cfg.wandb.project, entity=cfg.wandb.entity or None, dir=run_dir,
                   # a sweep's jobs share one group (set by hydra_plugins/zerolab_torchrun)
                   group=environ.get("ZEROLAB_WANDB_GROUP") or experiment, job_type=job_type, config=config,
-                  mode=cfg.wandb.mode, name=os.path.basename(run_dir), reinit="finish_previous")
+                  mode=cfg.wandb.mode, name=os.path.basename(run_dir), reinit="finish_previous",
+                  # one run directory, one wandb run: a resumed run continues the same id (MetricsSink)
+                  resume="allow")
     mode = cfg.wandb.mode
     if mode == "auto":
         for key, var in WANDB_ENV.items():
@@ -50,6 +54,24 @@ def wandb_init_kwargs(cfg: LoggingConfig, run_dir: str, experiment: str, job_typ
         if "mode" in kwargs:
             kwargs["mode"] = mode
     return None if mode == "disabled" else kwargs
+
+
+WANDB_ID_FILE = "wandb_run_id"  # in the run directory: the wandb run that mirrors its metrics
+
+
+def wandb_run_id(run_dir: str) -> str:
+    """The wandb run id of this run directory, made on first use and kept in the directory, so a
+    resume (or a restart round) logs into the same wandb run. run.overwrite=true removes it with
+    the rest of the record (zerolab.record): a new history gets a new wandb run."""
+    path = os.path.join(run_dir, WANDB_ID_FILE)
+    if os.path.exists(path):
+        with open(path) as fh:
+            found = fh.read().strip()
+        if found:
+            return found
+    run_id = secrets.token_hex(4)  # 8 characters of [0-9a-f]: valid as a wandb id
+    atomic_write_text(path, run_id + "\n")
+    return run_id
 
 
 class MetricsSink:
@@ -65,6 +87,8 @@ class MetricsSink:
         kwargs = wandb_init_kwargs(cfg, run_dir, experiment, job_type, config)
         if kwargs is None:
             return None
+        if not os.environ.get("WANDB_RUN_ID"):  # wandb's own variable for the id wins, as the others do
+            kwargs["id"] = wandb_run_id(run_dir)
         import wandb
 
         return wandb.init(**kwargs)

@@ -8,6 +8,7 @@ through the protocol in zerolab/strategies/base.py.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import statistics
 import sys
@@ -20,11 +21,12 @@ from typing import Optional
 import torch
 from omegaconf import DictConfig, OmegaConf
 from zerolab import dist as zdist
+from zerolab import record as run_record
 from zerolab import runlock
 from zerolab.activations import ActivationMeter, predict_activations
 from zerolab.config import Config, ConfigError, global_batch, to_dict, validate
 from zerolab.atomic import atomic_path, atomic_write_json
-from zerolab.checkpoint import Checkpointer, model_layout
+from zerolab.checkpoint import Checkpointer, checkpoint_dir, model_layout
 from zerolab.data import WindowSampler, build_data, check_data
 from zerolab.digest import write_digest
 from zerolab.errors import ZerolabError, debug_enabled, report
@@ -68,10 +70,15 @@ def resolve_run_dir(cfg: Config, ctx: zdist.DistContext) -> tuple[str, Optional[
     if ctx.is_main:
         try:
             lock = runlock.acquire(path)
+            # A fresh start over another run's record is refused before anything is written.
+            run_record.prepare(cfg, os.path.abspath(path), checkpoint_dir(cfg, path))
             with open(os.path.join(path, "config.yaml"), "w") as fh:
                 fh.write(OmegaConf.to_yaml(to_dict(cfg)))
         except runlock.RunDirLocked as err:
             problem = err
+        except run_record.RecordExists as err:
+            problem = err
+            lock.release()
         except OSError as err:
             problem = ZerolabError(f"cannot set up run directory {os.path.abspath(path)}: {err}. Check that it "
                                    f"is writable and the disk has room, or pick another run.dir.")
@@ -154,6 +161,8 @@ class Trainer:
         self.checkpointer = Checkpointer(cfg, ctx, self.run_dir, model_layout(model), self.strategy)
         if cfg.checkpoint.resume:  # weights, optimizer state, RNG, loss scale; data and LR follow the step
             self.start_step = self.checkpointer.resume(self.strategy, self.schedule, self.sampler)
+        if ctx.is_main:  # one history: the record is cut back to the step this run starts from
+            run_record.cut_back(self.run_dir, self.start_step, before_replace=self.fault.in_record_cut)
         self.metrics = MetricsSink(self.run_dir, cfg.logging, ctx.is_main, cfg.experiment,
                                    cfg.strategy.name, to_dict(cfg))
         if ctx.is_main:
@@ -305,7 +314,8 @@ class Trainer:
                 bar.logged(step + 1, loss, dt, lr, info.skipped)
             bar.advance()
             saved = None
-            if cfg.checkpoint.every and (step + 1) % cfg.checkpoint.every == 0:
+            # Every `every` steps, and the last step too: a finished run can be continued from its end.
+            if cfg.checkpoint.every and ((step + 1) % cfg.checkpoint.every == 0 or step + 1 == t.max_steps):
                 self.progress.at(step, "checkpoint")
                 saved = self.checkpointer.save(step + 1, self.strategy, self.schedule, self.sampler)
             # One tiny all-reduce per step: a stop signal seen by any rank stops all after this step.
@@ -419,8 +429,9 @@ class Trainer:
             write_json(summary_path, summary)
         self.progress.close()
         if ctx.is_main:
-            log.info("eval loss %.4f (uniform baseline ln 256 = 5.545) | p50 step %.3fs", eval_loss,
-                     summary["step_time_p50_s"] or 0)
+            vocab = cfg.model.vocab_size
+            log.info("eval loss %.4f (uniform baseline ln %d = %.3f) | p50 step %.3fs", eval_loss, vocab,
+                     math.log(vocab), summary["step_time_p50_s"] or 0)
             log.info("metrics: %s", self.metrics.path)
             if "weights" in summary:
                 log.info("weights: %s", summary["weights"])

@@ -28,7 +28,7 @@ The package, by concern: format (meta.json, safetensors writing, safe torch.load
 pieces format), store (verify, list, choose, check, publish), checkpointer (save and resume
 during training), export (export and import).
 """
-from zerolab.checkpoint.checkpointer import Checkpointer
+from zerolab.checkpoint.checkpointer import Checkpointer, checkpoint_dir
 from zerolab.checkpoint.export import EXPORT_DTYPES, export, export_main, import_weights
 from zerolab.checkpoint.format import (FORMAT, FORMAT_VERSION, FORMATS, LATEST, META, CheckpointError,
                                        check_torch_file, load_torch_file, meta_digest, meta_text, read_meta,
@@ -39,7 +39,7 @@ from zerolab.checkpoint.store import check_compatible, list_checkpoints, newest_
 # The names these had when zerolab.checkpoint was one module (tests and scripts import them).
 _meta_text, _check_compatible = meta_text, check_compatible
 
-__all__ = ["Checkpointer", "CheckpointError", "EXPORT_DTYPES", "FORMAT", "FORMATS", "FORMAT_VERSION", "LATEST",
+__all__ = ["Checkpointer", "checkpoint_dir", "CheckpointError", "EXPORT_DTYPES", "FORMAT", "FORMATS", "FORMAT_VERSION", "LATEST",
            "META", "PieceReader", "check_compatible", "check_torch_file", "export", "export_main", "import_weights",
            "list_checkpoints", "load_torch_file", "meta_digest", "meta_text", "model_layout", "newest_good",
            "optimizer_scalars", "read_meta", "resolve", "restore_optimizer_scalars", "safe_torch_load", "verify",

@@ -24,13 +24,18 @@ from zerolab.checkpoint.store import check_compatible, list_checkpoints, newest_
 log = logging.getLogger("zerolab")
 
 
+def checkpoint_dir(cfg, run_dir: str) -> str:
+    """Where a run's checkpoints go: checkpoint.dir, else <run dir>/checkpoints."""
+    return os.path.abspath(cfg.checkpoint.dir or os.path.join(run_dir, "checkpoints"))
+
+
 class Checkpointer:
     def __init__(self, cfg, ctx, run_dir: str, layout: dict, strategy=None):
         from zerolab.config import ConfigError
         from zerolab.strategies import REGISTRY, names_where
 
         self.cfg, self.ctx, self.layout = cfg, ctx, layout
-        self.dir = os.path.abspath(cfg.checkpoint.dir or os.path.join(run_dir, "checkpoints"))
+        self.dir = checkpoint_dir(cfg, run_dir)
         if cfg.checkpoint.every and strategy is not None and strategy.checkpoint_format == "none":
             # Fail now, not after `every` steps of training.
             able = [n for n in REGISTRY if n not in names_where(checkpoint_format="none")]
