@@ -2,6 +2,7 @@
 #   make run         install, then the default job: a short 2-rank CPU run comparing strategies
 #   make test        install, then the whole test suite (what CI runs)
 #   make test-fast   install, then the unit tier only (no processes started; under 2 minutes)
+#   make docs        the documentation site (MkDocs, offline, --strict) into site/
 SHELL := /bin/bash
 PYTHON ?= python3
 VENV ?= .venv
@@ -9,7 +10,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: install run test test-fast clean slurm-deps
+.PHONY: install run test test-fast docs clean slurm-deps
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -44,6 +45,19 @@ test: install slurm-deps
 # The fast tier: unit and in-process tests, no torchrun, no DeepSpeed (tests/conftest.py: tiers).
 test-fast: install
 	$(PY) -m pytest -m "not slow" $(ARGS)
+
+# The documentation site: docs/*.md and mkdocs.yml, built offline into site/; --strict fails on a
+# broken link or anchor between pages (tests/test_docs.py checks the README's links, commands and
+# paths). The `docs` extra of pyproject.toml (pinned MkDocs + mkdocs-material, nothing else) is
+# installed into $(VENV) when missing or when pyproject.toml changed.
+DOCS_STAMP := $(VENV)/.docs-installed
+$(DOCS_STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet $$($(PY) -c "import tomllib; print(*tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies']['docs'])")
+	touch $(DOCS_STAMP)
+
+docs: $(DOCS_STAMP)
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict
 
 # The Slurm tests (tests/test_slurm.py) need Debian's slurm-wlm and munge. Installed here when
 # missing and we are root with apt-get (as in CI); a no-op when present. Otherwise, or if apt-get
