@@ -3,11 +3,11 @@
   python train.py [key=value ...]                                  # one process
   torchrun --standalone --nproc_per_node=2 train.py strategy=zero2 # two ranks
 
-A configuration problem (unknown key, bad value, batch that does not divide, unusable data, a run
-directory another job holds) exits with code 2, the config checks before any process group is
-created. A failure zerolab can explain (zerolab.errors.ZerolabError) is printed as one paragraph
-without a traceback (ZEROLAB_DEBUG=1 shows it) and exits with its code. Under torchrun only rank 0
-prints a message every rank shares.
+A configuration problem (unknown key, unknown group option, bad value, batch that does not
+divide, unusable data, a run directory another job holds) exits with code 2, the config checks
+before any process group is created. A failure zerolab can explain (zerolab.errors.ZerolabError)
+is printed as one paragraph without a traceback (ZEROLAB_DEBUG=1 shows it) and exits with its
+code. Under torchrun only rank 0 prints a message every rank shares (zerolab.errors.exit_for).
 """
 import os
 import sys
@@ -16,10 +16,9 @@ import traceback
 import hydra
 from omegaconf import DictConfig
 
-from zerolab.config import ConfigError, check_overrides
-from zerolab.errors import ZerolabError, debug_enabled, report
+from zerolab.config import ConfigError, check_overrides, config_groups
+from zerolab.errors import ZerolabError, debug_enabled, exit_for
 
-CONF = os.path.join(os.path.dirname(os.path.abspath(__file__)), "conf")
 _task_started = False
 
 
@@ -32,21 +31,24 @@ def main(cfg: DictConfig) -> None:
     try:
         run(cfg)
     except (ConfigError, ZerolabError) as err:
-        sys.exit(report(err))
+        exit_for(err, every_rank_alike=getattr(err, "before_ranks_meet", False))
 
 
 def _check_command_line() -> None:
-    """Unknown keys, before Hydra sees them: Hydra would advise `+key=...`, which zerolab refuses
-    too (the schema is closed); zerolab's message suggests the nearest valid key instead."""
+    """Unknown keys and unknown group options, before Hydra sees them: Hydra would advise
+    `+key=...` (which zerolab refuses too: the schema is closed) or print a block listing the
+    search path; zerolab's one line suggests the nearest valid key or lists the options."""
     overrides = [a for a in sys.argv[1:] if not a.startswith("-") and "=" in a]
-    groups = [d for d in os.listdir(CONF) if os.path.isdir(os.path.join(CONF, d))]
     try:
-        check_overrides(overrides, groups)
+        check_overrides(overrides, config_groups())
     except ConfigError as err:
-        sys.exit(report(err))
+        exit_for(err, every_rank_alike=True)
 
 
 if __name__ == "__main__":
+    # Composition errors (a value of the wrong type) raise instead of Hydra printing them on every
+    # rank: zerolab says them once, in one line, below.
+    os.environ.setdefault("HYDRA_FULL_ERROR", "1")
     _check_command_line()
     try:
         main()
@@ -63,5 +65,7 @@ if __name__ == "__main__":
         if debug_enabled():
             traceback.print_exc()
         cause = f"\n{err.__cause__}" if err.__cause__ is not None and str(err.__cause__) not in str(err) else ""
-        print(f"zerolab: configuration error: {err}{cause}", file=sys.stderr)
-        sys.exit(2)
+        # Hydra's message, without its internals (the full_key, reference_type, object_type lines)
+        text = "\n".join(line for line in f"{err}{cause}".splitlines()
+                         if not line.strip().startswith(("full_key:", "reference_type=", "object_type=")))
+        exit_for(ConfigError(text), every_rank_alike=True)

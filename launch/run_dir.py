@@ -19,13 +19,11 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from zerolab import record, runlock  # noqa: E402
-from zerolab.checkpoint import checkpoint_dir  # noqa: E402
-from zerolab.config import ConfigError, check_overrides, compose  # noqa: E402
+from zerolab.checkpoint import check_resume_path, checkpoint_dir  # noqa: E402
+from zerolab.config import ConfigError, check_overrides, compose, config_groups  # noqa: E402
 from zerolab.data import check_token_file  # noqa: E402
 from zerolab.trainer import new_run_dir  # noqa: E402
 
-
-CONF = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf")
 
 
 def requeued_run_dir(cfg) -> str | None:
@@ -40,8 +38,9 @@ def requeued_run_dir(cfg) -> str | None:
 
 def choose(overrides: list[str]) -> str:
     # Unknown keys first, with zerolab's suggestion rather than Hydra's advice to add them with +.
-    check_overrides(overrides, [d for d in os.listdir(CONF) if os.path.isdir(os.path.join(CONF, d))])
+    check_overrides(overrides, config_groups())
     cfg = compose(overrides)
+    check_resume_path(cfg.checkpoint.resume)
     if cfg.data.kind == "text" and cfg.data.path:
         # A given token file that cannot give a window of each split: exit 2 here, seconds after
         # the launch, not after every rank has started (the ranks check it again themselves).

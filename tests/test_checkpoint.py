@@ -6,6 +6,7 @@ final weights must equal A's bit for bit on CPU (same world size and strategy), 
 data order, dropout RNG, the LR schedule, the optimizer step counter and the loss scale."""
 import json
 import os
+import re
 import shutil
 
 import pytest
@@ -205,7 +206,7 @@ class _Evil:
 
 
 def test_pickled_callable_is_refused(tmp_path, ddp_run):
-    from zerolab.checkpoint import CheckpointError, export, load_torch_file, verify
+    from zerolab.checkpoint import CheckpointError, export, load_torch_file, newest_good, verify
 
     marker = tmp_path / "pwned"
     evil = tmp_path / "evil.pt"
@@ -220,10 +221,52 @@ def test_pickled_callable_is_refused(tmp_path, ddp_run):
     files = json.loads((ck / "meta.json").read_text())["files"]
     files["rank0.safetensors"].update(bytes=evil.stat().st_size, sha256=hashlib.sha256(evil.read_bytes()).hexdigest())
     _meta_edit(ck, files=files)
-    verify(str(ck))
+    # Checksums match, but the file is no safetensors file: refused, so resume=auto falls back.
+    with pytest.raises(CheckpointError, match="rank0.safetensors: not a readable safetensors file"):
+        verify(str(ck))
+    assert newest_good(str(ck.parent), say=lambda _: None) == str(ck.parent / "step_00000002")
     with pytest.raises(CheckpointError, match="rank0.safetensors: not a readable safetensors file"):
         export(str(ck), str(tmp_path / "out.safetensors"))
     assert not marker.exists()
+
+
+def test_consistent_meta_forgery_is_refused_and_falls_back(tmp_path, ddp_run):
+    """meta.json of step 4 rewritten to step 6 with everything it says about the step (the data
+    position too) and its digest recomputed, the directory renamed: the rank files still say
+    they were written at step 4."""
+    from zerolab.checkpoint import CheckpointError, newest_good, verify
+
+    ck = _copy_ckpts(ddp_run, tmp_path)
+    forged = ck / "step_00000006"
+    (ck / "step_00000004").rename(forged)
+    meta = json.loads((forged / "meta.json").read_text())
+    _meta_edit(forged, step=6, sampler={**meta["sampler"], "next_step": 6})
+    with pytest.raises(CheckpointError, match=r"rank0.safetensors was written at step 4, but meta.json says step 6"):
+        verify(str(forged))
+    said = []
+    assert newest_good(str(ck), say=said.append) == str(ck / "step_00000002")
+    assert "falling back to" in said[0] and "[step_00000006]" in said[0]
+    _meta_edit(forged, step=6, sampler=meta["sampler"])  # only the step: the data position disagrees
+    with pytest.raises(CheckpointError, match="says the data continues at step 4, but the checkpoint is of step 6"):
+        verify(str(forged))
+
+
+def test_every_checkpoint_corrupt_is_one_paragraph_with_a_way_on(tmp_path, ddp_run):
+    ck = _copy_ckpts(ddp_run, tmp_path)
+    for step in sorted(ck.glob("step_*")):
+        victim = step / "rank1.safetensors"
+        victim.write_bytes(victim.read_bytes()[:-5])
+    run = tmp_path / "resumed"
+    proc = run_train(run, 2, *TINY, "trainer.max_steps=4", f"checkpoint.dir={ck}", "checkpoint.resume=auto",
+                     check=False)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    message = [line for line in out.splitlines() if line.startswith("zerolab: error:")]
+    assert len(message) == 1 and out.count("failed verification") == 1, out[-6000:]
+    for step in ("step_00000004", "step_00000002"):
+        assert f"[{step}] {ck / step / 'rank1.safetensors'} has" in message[0]
+    assert "checkpoint.resume=PATH" in message[0] and "another run.dir" in message[0]
+    assert not re.search(r'File "[^"]*(/zerolab/[^"]*|train\.py)"', out), out[-6000:]  # torchrun's traceback only
 
 
 @pytest.mark.parametrize("strategy,ranks", [("ddp", 2), ("zero2", 3)])

@@ -270,25 +270,68 @@ def test_bad_data_exits_2_under_torchrun_with_one_message(tmp_path, case):
     assert not (tmp_path / "runs").exists()  # the checks come before the run directory
 
 
+# Bad input said once per job, in the same words with one process and under torchrun, exit 2 for
+# every one (the worker's own code under torchrun, which itself exits 1), and nothing created.
+BAD_INPUT = {
+    "unknown key": (["trainer.max_step=20"], "did you mean trainer.max_steps?"),
+    "unknown group option": (["strategy=nonexistent"],
+                             "strategy=nonexistent: no such option of config group strategy; choose one of ddp,"),
+    "no such resume path": (["checkpoint.resume=/no/such/path"], "checkpoint.resume=/no/such/path: no such file"),
+}
+
+
+def _message_lines(out: str) -> list[str]:
+    start = [i for i, line in enumerate(out.splitlines()) if line.startswith("zerolab: ")]
+    assert len(start) == 1, out[-6000:]
+    return [line for line in out.splitlines()[start[0]:] if line.strip()][:1]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(BAD_INPUT))
+@pytest.mark.parametrize("launch", ["python", "torchrun"])
+def test_bad_input_is_said_once_and_exits_2(tmp_path, case, launch):
+    overrides, expected = BAD_INPUT[case]
+    args = [f"run.root={tmp_path / 'runs'}", *overrides]
+    if launch == "python":
+        proc = run_python("train.py", "logging.wandb.mode=disabled", *args, check=False, timeout=120)
+        out = proc.stdout + proc.stderr
+        assert proc.returncode == 2, out
+        assert len(out.strip().splitlines()) <= 4 and "Traceback" not in out, out
+        assert out.startswith("zerolab: configuration error: ") and expected in out, out
+    else:
+        proc = torchrun(*args, timeout=180)
+        out = proc.stdout + proc.stderr
+        assert_one_clean_message(out, expected)
+        assert len(re.findall(r"exitcode\s*:\s*2 ", out)) == 2, out[-6000:]  # every worker: 2
+        (line,) = _message_lines(out)
+        assert out.count(line) == 1  # no line of it twice
+    assert "Could not find" not in out and "To append to your config" not in out  # no Hydra block
+    assert not (tmp_path / "runs").exists()
+
+
 @pytest.mark.slow
 def test_explained_runtime_error_has_no_traceback_and_failed_start_leaves_nothing(tmp_path):
-    nope = tmp_path / "nope"
-    proc = run_python("train.py", *COMMON, f"run.root={tmp_path / 'runs'}", f"checkpoint.resume={nope}",
+    """A failure zerolab explains at run time (a checkpoint for another model, say): one
+    paragraph without a traceback, and a start that fails leaves no directory it made."""
+    other = tmp_path / "other"
+    run_train(other, 1, *COMMON, "trainer.max_steps=1", "checkpoint.every=1", "model.n_embd=32")
+    ckpt = other / "checkpoints" / "step_00000001"
+    proc = run_python("train.py", *COMMON, f"run.root={tmp_path / 'runs'}", f"checkpoint.resume={ckpt}",
                       check=False, timeout=180, env={"ZEROLAB_DEBUG": "0"})
     out = proc.stdout + proc.stderr
     assert proc.returncode == 1, out
-    assert f"zerolab: error: {nope} is neither a checkpoint" in out and "Traceback" not in out
+    assert "zerolab: error: " in out and "the checkpoint is for another model" in out and "Traceback" not in out
     # The run directory (and runs/<experiment>/) existed only because this start made them.
     assert not (tmp_path / "runs").exists()
 
     existing = tmp_path / "existing"
     existing.mkdir()
     (existing / "notes.txt").write_text("kept")
-    proc = run_python("train.py", *COMMON, f"run.dir={existing}", f"checkpoint.resume={nope}",
+    proc = run_python("train.py", *COMMON, f"run.dir={existing}", f"checkpoint.resume={ckpt}",
                       check=False, timeout=180, env={"ZEROLAB_DEBUG": "1"})
     out = proc.stdout + proc.stderr
     assert proc.returncode == 1, out
-    assert "Traceback (most recent call last)" in out and f"{nope} is neither a checkpoint" in out
+    assert "Traceback (most recent call last)" in out and "the checkpoint is for another model" in out
     assert (existing / "notes.txt").read_text() == "kept"  # a directory given by run.dir stays
 
 

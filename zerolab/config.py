@@ -228,6 +228,7 @@ def _schema(cls=Config, prefix: str = "") -> dict[str, Any]:
 
 FREE = "free-form"
 SCHEMA_KEYS = _schema()
+CONF_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf")
 
 
 def suggest(key: str) -> str:
@@ -265,12 +266,22 @@ def _known(key: str) -> bool:
     return True
 
 
-def check_overrides(overrides: Iterable[str], groups: Iterable[str] = ()) -> None:
-    """Refuse command-line overrides of keys the schema lacks, with or without `+`/`++`/`~`.
-    `groups`: top-level config group names that are not keys (e.g. `launcher`); `hydra.*` and
-    `group/option` overrides are Hydra's business and pass through."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
+def config_groups(config_dir: str = CONF_DIR) -> dict[str, list[str]]:
+    """The config groups of conf/ (model, strategy, ...) and their options (the yaml files)."""
+    return {d: sorted(f[:-5] for f in os.listdir(os.path.join(config_dir, d)) if f.endswith(".yaml"))
+            for d in sorted(os.listdir(config_dir)) if os.path.isdir(os.path.join(config_dir, d))}
 
+
+def check_overrides(overrides: Iterable[str], groups: "dict[str, list[str]] | Iterable[str]" = ()) -> None:
+    """Refuse command-line overrides of keys the schema lacks, with or without `+`/`++`/`~`, and
+    options a config group does not have (`strategy=nonexistent`), each in one line, before Hydra
+    composes anything. `groups`: top-level config group names that are not keys (e.g. `launcher`),
+    or {group: options} to check the options too (config_groups()); `hydra.*` and `group/option`
+    overrides are Hydra's business and pass through."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.core.override_parser.types import Glob
+
+    options = groups if isinstance(groups, dict) else {}
     parser = OverridesParser.create()
     for arg in overrides:
         try:
@@ -281,6 +292,13 @@ def check_overrides(overrides: Iterable[str], groups: Iterable[str] = ()) -> Non
         if override.package is not None or "/" in key or key.split(".")[0] == "hydra":
             continue
         if "." not in key and key in groups:
+            if key in options and not override.is_delete() and not isinstance(override.value(), Glob):
+                given = (list(override.sweep_string_iterator()) if override.is_sweep_override()
+                         else [override.get_value_element_as_str()])
+                for value in given:
+                    if value not in options[key] and value != "null":
+                        raise ConfigError(f"{key}={value}: no such option of config group {key}; choose one of "
+                                          f"{', '.join(options[key])} (conf/{key}/*.yaml)")
             continue
         if not _known(key):
             raise _unknown(key, arg)
@@ -398,7 +416,7 @@ def compose(overrides: List[str] = (), config_dir: Optional[str] = None) -> Conf
     from hydra import compose as hydra_compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
-    config_dir = config_dir or os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf")
+    config_dir = config_dir or CONF_DIR
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=config_dir, version_base="1.3"):
         dcfg = hydra_compose(config_name="config", overrides=list(overrides))

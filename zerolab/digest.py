@@ -18,10 +18,11 @@ Two questions decide whether two strategies trained the same model:
 from __future__ import annotations
 
 import os
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
+from zerolab.atomic import atomic_path
 from zerolab.models import build_model, lm_loss
 
 DIGEST_BATCHES = 2  # fixed validation batches ...
@@ -90,23 +91,32 @@ def gradient_noise(model_cfg, weights: dict[str, torch.Tensor], batches: list) -
 
 
 def write_digest(model: torch.nn.Module, data, model_cfg, weights: Optional[dict], run_dir: str,
-                 is_main: bool, device) -> dict:
-    """Collective (every rank evaluates); rank 0 writes the files and returns summary.json's
-    `eval_digest` entry ({} on other ranks)."""
+                 is_main: bool, device, save: Optional[Callable[[str, dict], bool]] = None) -> dict:
+    """Collective (every rank evaluates); rank 0 writes the files with `save(name, tensors)`
+    (default: atomically into run_dir; zerolab.results.FinalFiles.save_tensors records a full disk
+    instead of raising) and returns summary.json's `eval_digest` entry ({} on other ranks)."""
     batches = digest_batches(data, device)
     losses, logits = eval_logits(model, batches)
     if not is_main:
         return {}
-    from safetensors.torch import save_file
-
+    save = save or (lambda name, tensors: _save_atomic(os.path.join(run_dir, name), tensors))
     tensors = {f"logits/{i}": t for i, t in enumerate(logits)}
     tensors["loss"] = torch.tensor(losses, dtype=torch.float32)
-    save_file(tensors, os.path.join(run_dir, "eval_logits.safetensors"))
     entry = {"file": "eval_logits.safetensors", "batches": DIGEST_BATCHES, "seqs_per_batch": DIGEST_SEQS,
              "batch_losses": losses, "loadavg_end": list(os.getloadavg())}
+    if not save("eval_logits.safetensors", tensors):
+        entry["file"] = None
     noise = gradient_noise(model_cfg, weights, batches) if weights is not None else None
     if noise is not None:
-        save_file({k: v.contiguous() for k, v in noise.items()} or {"_none": torch.zeros(0, dtype=torch.int64)},
-                  os.path.join(run_dir, "grad_noise.safetensors"))
-        entry["noise_level"] = {k: int(v.numel()) for k, v in noise.items()}
+        if save("grad_noise.safetensors",
+                {k: v.contiguous() for k, v in noise.items()} or {"_none": torch.zeros(0, dtype=torch.int64)}):
+            entry["noise_level"] = {k: int(v.numel()) for k, v in noise.items()}
     return entry
+
+
+def _save_atomic(path: str, tensors: dict) -> bool:
+    from safetensors.torch import save_file
+
+    with atomic_path(path) as tmp:
+        save_file(tensors, tmp)
+    return True

@@ -9,6 +9,7 @@ set ZEROLAB_DEBUG=1 to see the traceback too. Configuration mistakes are `Config
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import traceback
 
@@ -43,3 +44,36 @@ def report(err: BaseException, quiet: bool = False) -> int:
         print(prefix + text, file=sys.stderr, flush=True)
     err.reported = True
     return 2 if config else getattr(err, "exit_code", 1)
+
+
+def launch_rank() -> int:
+    """This process's rank as its launcher set it (torchrun's RANK, srun's SLURM_PROCID), known
+    before any process group exists; 0 for a single process."""
+    for var in ("RANK", "SLURM_PROCID"):
+        if os.environ.get(var, "").isdigit():
+            return int(os.environ[var])
+    return 0
+
+
+# How long a rank other than 0 waits for its launcher to stop it after a failure every rank met
+# alike (see exit_for). Only a launcher that never stops the other ranks makes it wait this long.
+WAIT_FOR_LAUNCHER_S = 60.0
+
+
+def exit_for(err: BaseException, every_rank_alike: bool = False) -> None:
+    """Exit for an explained failure (ZerolabError, zerolab.config.ConfigError), said once per job.
+
+    `every_rank_alike`: every rank meets this failure the same way before the ranks can talk
+    (a configuration error, found before the process group exists): rank 0 alone prints it. The
+    other ranks print nothing and wait for their launcher to stop them, which it does once rank 0
+    has exited (torchrun, srun --kill-on-bad-exit), then exit with the same code; leaving first
+    would make the launcher stop the job, rank 0 perhaps before its message was out."""
+    quiet = every_rank_alike and launch_rank() != 0
+    code = report(err, quiet=quiet)
+    if quiet:
+        stop = {signal.SIGTERM, signal.SIGINT, signal.SIGHUP}
+        signal.pthread_sigmask(signal.SIG_BLOCK, stop)  # delivered to sigtimedwait, not to a handler
+        signal.sigtimedwait(stop, WAIT_FOR_LAUNCHER_S)
+        sys.stdout.flush()
+        os._exit(code)
+    sys.exit(code)

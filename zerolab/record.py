@@ -59,7 +59,7 @@ def logged_steps(run_dir: str) -> Optional[tuple[int, int]]:
 
 
 def _records(path: str) -> list[dict]:
-    if not os.path.exists(path):
+    if not os.path.isfile(path):  # (a FIFO or a directory under the name is no record to read)
         return []
     out = []
     with open(path) as fh:
@@ -77,7 +77,7 @@ def held_record(run_dir: str, checkpoint_dir: str) -> list[str]:
     steps = logged_steps(run_dir)
     if steps is not None:
         found.append(f"{METRICS} (steps {steps[0]}-{steps[1]})")
-    elif os.path.exists(os.path.join(run_dir, METRICS)) and os.path.getsize(os.path.join(run_dir, METRICS)):
+    elif os.path.isfile(os.path.join(run_dir, METRICS)) and os.path.getsize(os.path.join(run_dir, METRICS)):
         found.append(METRICS)
     found += [name for name in RESULTS if os.path.exists(os.path.join(run_dir, name))]
     ckpts = _checkpoints(checkpoint_dir)
@@ -136,7 +136,7 @@ def cut_back(run_dir: str, step: int, before_replace: Callable[[], None] = lambd
     over metrics.jsonl. `before_replace` runs between the two (fault injection's hook). Returns
     the number of lines dropped."""
     path = os.path.join(run_dir, METRICS)
-    if not os.path.exists(path):
+    if not os.path.isfile(path):
         return 0
     kept, dropped = [], 0
     with open(path) as fh:

@@ -25,8 +25,8 @@ from zerolab import record as run_record
 from zerolab import runlock
 from zerolab.activations import ActivationMeter, predict_activations
 from zerolab.config import Config, ConfigError, global_batch, to_dict, validate
-from zerolab.atomic import atomic_path, atomic_write_json
-from zerolab.checkpoint import Checkpointer, checkpoint_dir, model_layout
+from zerolab.atomic import atomic_write_json
+from zerolab.checkpoint import Checkpointer, check_resume_path, checkpoint_dir, model_layout
 from zerolab.data import WindowSampler, build_data, check_data
 from zerolab.digest import write_digest
 from zerolab.errors import ZerolabError, debug_enabled, report
@@ -40,6 +40,7 @@ from zerolab.optim import build_optimizer
 from zerolab.optim.schedule import LRSchedule
 from zerolab.preempt import MARKER, Preempted, StopRequest
 from zerolab.precision import Precision
+from zerolab.results import FinalFiles
 from zerolab.stats import percentile
 from zerolab.strategies import strategy_class
 from zerolab.timing import StepClock
@@ -401,32 +402,31 @@ class Trainer:
         if error:
             summary["error"] = error
         summary_path = os.path.join(self.run_dir, "summary.json")
+        files = FinalFiles(self.run_dir)  # rank 0's writes: a full disk is said once, at the end
         if ctx.is_main:
-            if cfg.run.save_model and weights is not None:
-                from safetensors.torch import save_file
-
-                path = os.path.join(self.run_dir, "model.safetensors")
-                with atomic_path(path) as tmp:
-                    save_file(weights, tmp)
-                summary["weights"] = path
-            write_json(summary_path, summary)
+            if cfg.run.save_model and weights is not None and files.save_tensors("model.safetensors", weights):
+                summary["weights"] = os.path.join(self.run_dir, "model.safetensors")
+            files.save_json("summary.json", summary)
         try:  # everything after this point evaluates the model: it may fail, the weights are safe
             # Fixed held-out logits and the noise-level gradient probe, for the parity report (collective).
             summary["eval_digest"] = write_digest(self.model, self.data, cfg.model, weights, self.run_dir,
-                                                  ctx.is_main, ctx.device)
+                                                  ctx.is_main, ctx.device, save=files.save_tensors)
             del weights
             if last_record is not None:
                 eval_loss = summary["eval_loss"] = last_record["eval_loss"] = self.evaluate()
         except BaseException as err:
             if ctx.is_main:  # the weights are saved; say in the summary why eval_loss is missing
                 summary["final_eval_error"] = f"{type(err).__name__}: {err}"[:1000]
-                write_json(summary_path, summary)
+                files.save_json("summary.json", summary)
             raise
         finally:
-            if last_record is not None:
-                self.metrics.log(last_record)  # with eval_loss if the eval completed
+            if last_record is not None:  # with eval_loss if the eval completed
+                files.attempt("metrics.jsonl", lambda: self.metrics.log(last_record))
+        problem = files.problem(cfg.trainer.max_steps, self.checkpointer.last_saved) if ctx.is_main else None
         if ctx.is_main:
-            write_json(summary_path, summary)
+            if problem is not None:
+                summary["final_write_error"] = str(problem)
+            files.save_json("summary.json", summary)
         self.progress.close()
         if ctx.is_main:
             vocab = cfg.model.vocab_size
@@ -438,6 +438,8 @@ class Trainer:
             log.info("summary: %s", summary_path)
         self.metrics.close(summary)
         ctx.barrier()
+        if ctx.is_main and problem is not None:
+            raise problem  # after the barrier: the other ranks have finished with rank 0
         return summary
 
 
@@ -456,7 +458,12 @@ def stop_now(err: BaseException) -> None:
 
 
 def run(dcfg: DictConfig | Config) -> Optional[dict]:
-    cfg = validate(dcfg)  # raises ConfigError before any process group exists
+    try:  # before any process group exists: every rank finds the same, and rank 0 alone says it
+        cfg = validate(dcfg)
+        check_resume_path(cfg.checkpoint.resume)
+    except ConfigError as err:
+        err.before_ranks_meet = True  # zerolab.errors.exit_for
+        raise
     ctx = zdist.init(cfg.dist)
     if not ctx.is_main:
         logging.getLogger().setLevel(logging.WARNING)

@@ -34,13 +34,14 @@ from zerolab.checkpoint.format import (FORMAT, FORMAT_VERSION, FORMATS, LATEST, 
                                        check_torch_file, load_torch_file, meta_digest, meta_text, read_meta,
                                        safe_torch_load, write_safetensors, writer_class)
 from zerolab.checkpoint.reshard import (PieceReader, model_layout, optimizer_scalars, restore_optimizer_scalars)
-from zerolab.checkpoint.store import check_compatible, list_checkpoints, newest_good, resolve, verify
+from zerolab.checkpoint.store import (check_compatible, check_resume_path, list_checkpoints, newest_good, resolve,
+                                      verify)
 
 # The names these had when zerolab.checkpoint was one module (tests and scripts import them).
 _meta_text, _check_compatible = meta_text, check_compatible
 
 __all__ = ["Checkpointer", "checkpoint_dir", "CheckpointError", "EXPORT_DTYPES", "FORMAT", "FORMATS", "FORMAT_VERSION", "LATEST",
-           "META", "PieceReader", "check_compatible", "check_torch_file", "export", "export_main", "import_weights",
+           "META", "PieceReader", "check_compatible", "check_resume_path", "check_torch_file", "export", "export_main", "import_weights",
            "list_checkpoints", "load_torch_file", "meta_digest", "meta_text", "model_layout", "newest_good",
            "optimizer_scalars", "read_meta", "resolve", "restore_optimizer_scalars", "safe_torch_load", "verify",
            "write_safetensors", "writer_class"]

@@ -18,10 +18,18 @@ import torch
 from zerolab.checkpoint.format import FORMAT, FORMAT_VERSION, META, CheckpointError, meta_text, read_meta, \
     write_safetensors
 from zerolab.checkpoint.reshard import PieceReader, optimizer_scalars, restore_optimizer_scalars, rng_tensors
-from zerolab.checkpoint.store import check_compatible, list_checkpoints, newest_good, prune, publish, \
-    record_files, resolve, verify
+from zerolab.checkpoint.store import (bytes_of, check_compatible, list_checkpoints, make_room, newest_good, prune,
+                                      publish, record_files, resolve, verify)
 
 log = logging.getLogger("zerolab")
+SAVE_MARGIN_BYTES = 64 * 1024  # disk-full advice: room a save needs beyond the previous checkpoint's size
+
+
+def _on_every_rank(err: CheckpointError) -> CheckpointError:
+    """Every rank raises this same error at the same point (the verdict was shared by a collective):
+    rank 0 alone prints it (zerolab.trainer.run)."""
+    err.same_on_every_rank = True
+    return err
 
 
 def checkpoint_dir(cfg, run_dir: str) -> str:
@@ -36,6 +44,7 @@ class Checkpointer:
 
         self.cfg, self.ctx, self.layout = cfg, ctx, layout
         self.dir = checkpoint_dir(cfg, run_dir)
+        self.last_saved: str | None = None  # the newest checkpoint this run wrote
         if cfg.checkpoint.every and strategy is not None and strategy.checkpoint_format == "none":
             # Fail now, not after `every` steps of training.
             able = [n for n in REGISTRY if n not in names_where(checkpoint_format="none")]
@@ -57,6 +66,10 @@ class Checkpointer:
         if ctx.is_main:
             try:
                 os.makedirs(self.dir, exist_ok=True)
+                # Room first: the save needs space for one checkpoint beside the ones it must keep.
+                for old in make_room(self.dir, self.cfg.checkpoint.keep_last):
+                    log.info("checkpoint: removed %s before saving step %d (checkpoint.keep_last=%d)", old, step,
+                             self.cfg.checkpoint.keep_last)
                 shutil.rmtree(tmp, ignore_errors=True)
                 os.makedirs(tmp)
             except OSError as err:
@@ -86,6 +99,7 @@ class Checkpointer:
         self._agree([ctx.broadcast_object(failure)], tmp)
         if ctx.is_main:
             log.info("checkpoint: step %d saved to %s", step, final)
+        self.last_saved = final
         return final
 
     def _write_rank_file(self, tmp: str, step: int, strategy, native: bool) -> dict:
@@ -105,33 +119,41 @@ class Checkpointer:
                 "scalars": {} if native else optimizer_scalars(strategy.optimizer)}
 
     def _failure(self, step: int, err: Exception, writing: str) -> str:
-        """One paragraph: where, what happened, how much space it needs, what to do."""
+        """One paragraph: where, what happened, how much space a save needs, what to do."""
         import errno
 
         where = getattr(err, "filename", None) or writing  # a failed write() names no file
-        prev = next(iter(list_checkpoints(self.dir)), None)
-        try:
-            free = f", {shutil.disk_usage(self.dir).free} bytes were free when it failed"
-        except OSError:
-            free = ""
+        kept = list_checkpoints(self.dir)
+        prev = kept[0] if kept else None
         if getattr(err, "errno", None) in (errno.ENOSPC, errno.EDQUOT):
             what = "no space left on the device" if err.errno == errno.ENOSPC else "disk quota exceeded"
-            need = ""
-            if prev is not None:
-                try:
-                    need = f"; the previous checkpoint took {sum(f['bytes'] for f in read_meta(prev)['files'].values())} bytes"
-                except CheckpointError:
-                    pass
-            fix = (f"free space under {self.dir} (or lower checkpoint.keep_last), or point checkpoint.dir at a "
-                   f"larger filesystem")
-            what += need + free
+            tmp = os.path.join(self.dir, f".tmp-step_{step:08d}")
+            try:  # free once the unfinished save is removed (it is, before the error is raised)
+                free = shutil.disk_usage(self.dir).free + (bytes_of(tmp) if os.path.isdir(tmp) else 0)
+            except OSError:
+                free = None
+            # A checkpoint of this run on this disk, with a margin for what grows between saves and what a
+            # save writes beside it (meta.json, `latest` and its temporary copy, directory entries).
+            need = bytes_of(prev) + SAVE_MARGIN_BYTES if prev is not None else None
+            keep = self.cfg.checkpoint.keep_last
+            held = max(keep - 1, 1) if keep > 0 else len(kept)
+            room = (f"while it writes a checkpoint zerolab keeps {held} older one(s) (checkpoint.keep_last={keep}; "
+                    f"the newest good one always)")
+            if need is not None and free is not None:
+                what += (f"; a checkpoint of this run takes {need} bytes on this disk (the previous one, plus "
+                         f"{SAVE_MARGIN_BYTES // 1024} KiB of margin) and {free} bytes are free beside what is kept: {room}")
+                fix = (f"free at least {max(need - free, 0) + 1} bytes under {self.dir}, or point checkpoint.dir "
+                       f"at a filesystem with room for {held + 1} checkpoints ({(held + 1) * need} bytes)")
+            else:
+                what += (f"; {free} bytes are free" if free is not None else "") + f": {room}"
+                fix = f"free space under {self.dir}, or point checkpoint.dir at a larger filesystem"
         else:
             what = getattr(err, "strerror", None) or f"{type(err).__name__}: {err}"
-            fix = f"check that {self.dir} is writable and has space{free}"
-        kept = (f"The previous checkpoint {prev} is intact: continue from it with checkpoint.resume=auto"
-                if prev else "No earlier checkpoint exists")
+            fix = f"check that {self.dir} is writable and has space"
+        intact = (f"The previous checkpoint {prev} is intact: continue from it with checkpoint.resume=auto (or "
+                  f"checkpoint.resume={prev} with another checkpoint.dir)" if prev else "No earlier checkpoint exists")
         return (f"rank {self.ctx.rank}: saving the checkpoint of step {step} failed writing {where}: {what}. "
-                f"The unfinished save was removed. To fix: {fix}. {kept}.")
+                f"The unfinished save was removed. To fix: {fix}. {intact}.")
 
     def _agree(self, failures: list, tmp: str) -> None:
         """Every rank holds the same list of failures (one collective gave it to all): if any rank
@@ -139,7 +161,8 @@ class Checkpointer:
         failed = [f for f in failures if f]
         if failed:
             shutil.rmtree(tmp, ignore_errors=True)  # shared or node-local: each rank removes what it sees
-            raise CheckpointError(failed[0] + (f" ({len(failed) - 1} other rank(s) failed too)" if len(failed) > 1 else ""))
+            raise _on_every_rank(CheckpointError(
+                failed[0] + (f" ({len(failed) - 1} other rank(s) failed too)" if len(failed) > 1 else "")))
 
     def _meta(self, step, strategy, schedule, sampler, reports) -> dict:
         import safetensors
@@ -193,12 +216,15 @@ class Checkpointer:
                 choice = ("error", str(err))
         status, value = ctx.broadcast_object(choice)
         if status == "error":
-            raise CheckpointError(value)
+            raise _on_every_rank(CheckpointError(value))  # rank 0 decided for all: it alone says it
         if value is None:
             return 0
         path = value
-        meta = read_meta(path)
-        check_compatible(meta, path, cfg, strategy, self.layout)
+        try:  # every rank reads the same meta.json and config: the same verdict everywhere
+            meta = read_meta(path)
+            check_compatible(meta, path, cfg, strategy, self.layout)
+        except CheckpointError as err:
+            raise _on_every_rank(err)
         step = int(meta["step"])
         schedule.resume_from(meta["lr_schedule"])  # re-derives the peak lr if the global batch changed
         self._note_differences(meta, schedule, sampler)

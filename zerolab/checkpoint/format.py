@@ -79,6 +79,26 @@ def write_safetensors(path: str, entries: list[tuple[str, torch.dtype, tuple, Ca
     return {"sha256": digest.hexdigest(), "bytes": size}
 
 
+def safetensors_header(path: str) -> dict:
+    """The JSON header of a safetensors file (tensors' dtypes, shapes and byte ranges, and
+    `__metadata__`), read without loading a tensor; CheckpointError when the file is not one (a
+    pickle under the .safetensors name, a truncated header, ranges beyond the file's end)."""
+    size = os.path.getsize(path)
+    try:
+        with open(path, "rb") as fh:
+            (n,) = struct.unpack("<Q", fh.read(8))
+            if n > size - 8:
+                raise ValueError(f"its header claims {n} bytes, the file has {size}")
+            header = json.loads(fh.read(n))
+        end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
+        if 8 + n + end != size:
+            raise ValueError(f"its tensors end at byte {8 + n + end}, the file has {size}")
+    except (struct.error, ValueError, KeyError, TypeError, IndexError, UnicodeDecodeError) as err:
+        raise CheckpointError(f"{path}: not a readable safetensors file ({err}): corrupt, or replaced by "
+                              "something else") from err
+    return header
+
+
 def sha256_file(path: str) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as fh:
@@ -244,6 +264,16 @@ def validate_meta(meta: dict, mpath: str, dirname: str) -> None:
     sampler = meta["sampler"]
     if not (is_int(sampler.get("next_step")) and is_int(sampler.get("seed")) and is_int(sampler.get("global_batch"), 1)):
         bad("sampler", f"is {sampler!r}, expected next_step, seed >= 0 and global_batch >= 1")
+    # The step, the data position and the optimizer's count of updates must tell one story: a
+    # meta.json rewritten to another step (and its digest recomputed) is refused here or by
+    # verify(), which reads the step each rank file was written at.
+    if sampler["next_step"] != meta["step"]:
+        bad("sampler", f"says the data continues at step {sampler['next_step']}, but the checkpoint is of step "
+                       f"{meta['step']}")
+    count = meta["optimizer_scalars"].get("step", {}).get("value") if isinstance(
+        meta["optimizer_scalars"].get("step"), dict) else None
+    if isinstance(count, (int, float)) and count > meta["step"]:  # skipped updates make it smaller, never larger
+        bad("optimizer_scalars", f"count {count:g} optimizer updates, more than the checkpoint's {meta['step']} steps")
     if not isinstance(meta["lr_schedule"].get("next_lr", 0.0), (int, float)):
         bad("lr_schedule", "has a non-numeric next_lr")
     for fname, info in meta["files"].items():

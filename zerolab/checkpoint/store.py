@@ -8,8 +8,9 @@ import shutil
 from typing import Callable, Optional
 
 from zerolab.atomic import atomic_write_text, fsync_dir
+from zerolab.config import ConfigError
 from zerolab.checkpoint.format import (FORMATS, LATEST, META, STEP_RE, CheckpointError, check_torch_file, read_meta,
-                                       sha256_file, writer_class)
+                                       safetensors_header, sha256_file, writer_class)
 from zerolab.checkpoint.reshard import check_pieces_cover
 
 log = logging.getLogger("zerolab")
@@ -37,7 +38,14 @@ def verify(path: str, checksums: bool = True) -> dict:
             raise CheckpointError(f"{full} has {size} bytes, the checkpoint recorded {info['bytes']}: truncated or corrupt")
         if checksums and sha256_file(full) != info["sha256"]:
             raise CheckpointError(f"{full}: sha256 does not match the one recorded in {META}: corrupt")
-        if not fname.endswith(".safetensors"):
+        if fname.endswith(".safetensors"):
+            # A safetensors file in fact (not a pickle under its name), written at this step: a meta.json
+            # rewritten to another step, digest and all, still has rank files saying which step they hold.
+            written = safetensors_header(full).get("__metadata__", {}).get("step")
+            if written is not None and written != str(meta["step"]):
+                raise CheckpointError(f"{full} was written at step {written}, but {META} says step {meta['step']}: "
+                                      f"the metadata was rewritten; the checkpoint is not usable")
+        else:
             check_torch_file(full, allowed, owner)  # torch.save files: refused before anything opens them
     # A native loader finds its files by name pattern in the directories they are in: no file
     # there may be unrecorded. (Format 2 left DeepSpeed's unrecorded script at the top level.)
@@ -61,21 +69,29 @@ def list_checkpoints(root: str) -> list[str]:
 
 
 def newest_good(root: str, say: Callable[[str], None] = log.warning) -> Optional[str]:
-    """The newest checkpoint under root that verifies; says which ones it skipped and why."""
-    skipped = []
+    """The newest checkpoint under root that verifies. Falling back past refused ones is said in
+    one message naming each and why; when none is usable, the CheckpointError lists every
+    checkpoint tried, why each was refused, and what to do."""
+    refused = []
     for path in list_checkpoints(root):
         try:
             verify(path)
         except CheckpointError as err:
-            say(f"checkpoint {path} is unusable: {err}")
-            skipped.append(path)
+            refused.append((path, str(err)))
             continue
-        if skipped:
-            say(f"falling back to {path}, the newest good checkpoint (skipped {len(skipped)} newer)")
+        if refused:
+            say(f"falling back to {path}, the newest good checkpoint; refused: {_reasons(refused)}")
         return path
-    if skipped:
-        raise CheckpointError(f"no usable checkpoint in {root}: all {len(skipped)} failed verification (see above)")
+    if refused:
+        raise CheckpointError(
+            f"no usable checkpoint in {root}: all {len(refused)} failed verification: {_reasons(refused)}. To go on: "
+            f"resume from a good copy of one (checkpoint.resume=PATH), or start fresh in another run.dir (or here "
+            f"with run.overwrite=true, which removes these checkpoints and the run's record)")
     return None
+
+
+def _reasons(refused: list[tuple[str, str]]) -> str:
+    return "; ".join(f"[{os.path.basename(path)}] {why}" for path, why in refused)
 
 
 def resolve(path: str) -> str:
@@ -87,6 +103,24 @@ def resolve(path: str) -> str:
         if found:
             return found
     raise CheckpointError(f"{path} is neither a checkpoint (no {META}) nor a directory holding step_* checkpoints")
+
+
+def check_resume_path(path: str) -> None:
+    """checkpoint.resume=PATH must name a checkpoint or a directory of them: refused with a
+    ConfigError (exit 2) before any process group exists or anything is written, when it does not
+    (verification of what it holds comes later, in the ranks)."""
+    if path in ("", "auto"):
+        return
+    what = (f"Give a checkpoint (a step_... directory holding {META}), a directory holding step_* checkpoints "
+            f"(such as <run dir>/checkpoints), or checkpoint.resume=auto to continue the run in run.dir")
+    if not os.path.exists(path):
+        raise ConfigError(f"checkpoint.resume={path}: no such file or directory. {what}.")
+    if os.path.exists(os.path.join(path, META)) or STEP_RE.match(os.path.basename(os.path.normpath(path))):
+        return
+    if os.path.isdir(path) and any(STEP_RE.match(d) for d in os.listdir(path)):
+        return
+    raise ConfigError(f"checkpoint.resume={path} is neither a checkpoint (it has no {META}) nor a directory holding "
+                      f"step_* checkpoints. {what}.")
 
 
 def check_compatible(meta: dict, path: str, cfg, strategy, layout: dict) -> None:
@@ -144,6 +178,41 @@ def publish(tmp: str, final: str, root: str, meta_text: str) -> None:
     os.rename(tmp, final)
     fsync_dir(root)
     atomic_write_text(os.path.join(root, LATEST), name + "\n")
+
+
+def make_room(root: str, keep: int) -> list[str]:
+    """Before a save: prune down to the checkpoints that must survive it, so that the save needs
+    room for one more and no more. With keep_last=K those are the newest K-1, and always the
+    newest one that verifies (cheaply: structure, not checksums), so a failed save never costs
+    the last good checkpoint. keep <= 0 keeps everything. Returns what was removed."""
+    if keep <= 0:
+        return []
+    found = list_checkpoints(root)
+    keep_set = set(found[:max(keep - 1, 1)])
+    for path in found:
+        try:
+            verify(path, checksums=False)
+        except CheckpointError:
+            continue
+        keep_set.add(path)
+        break
+    removed = [p for p in found if p not in keep_set]
+    for path in removed:
+        shutil.rmtree(path, ignore_errors=True)
+    return removed
+
+
+def bytes_of(path: str) -> int:
+    """Disk space the files under `path` take (a checkpoint, or a save in progress): allocated
+    blocks, not file sizes, since that is what a full filesystem runs out of."""
+    total = 0
+    for root, _, names in os.walk(path):
+        for n in names:
+            try:
+                total += os.stat(os.path.join(root, n)).st_blocks * 512
+            except FileNotFoundError:
+                continue
+    return total
 
 
 def prune(root: str, keep: int) -> None:
