@@ -41,6 +41,12 @@ INSTALL_HINT = "pip install deepspeed==0.19.8"
 log = logging.getLogger(__name__)
 
 
+class DeepSpeedMissing(ZerolabError):
+    """strategy=deepspeed, and DeepSpeed does not import: the message says how to install it."""
+
+    same_on_every_rank = True  # every rank imports it at the same point of setup and fails alike
+
+
 def import_deepspeed():
     """DeepSpeed, or an error that says how to install it (a broken install fails on import)."""
     from zerolab import ds_ops
@@ -50,7 +56,7 @@ def import_deepspeed():
         import deepspeed
         from deepspeed.utils import safe_get_full_fp32_param  # noqa: F401  (used below)
     except Exception as err:  # ImportError, but also a half-installed package raising anything
-        raise ImportError(
+        raise DeepSpeedMissing(
             f"strategy=deepspeed needs DeepSpeed, and importing it failed ({type(err).__name__}: {err}). "
             f"Install it with `{INSTALL_HINT}` (with --no-build-isolation, after torch), or pick another "
             "strategy (ddp, zero1, zero2, torch_zero, fsdp).") from err
@@ -269,9 +275,19 @@ class DeepSpeedStrategy(DeepSpeedCheckpointing, Strategy):
         from deepspeed.accelerator import get_accelerator
 
         accel = get_accelerator()
+        # DeepSpeed offers fp16 where its accelerator says so: on CUDA, and on a CPU only where
+        # oneDNN has fp16 kernels (AVX512-FP16, Sapphire Rapids and later). There it trains like
+        # every other precision; elsewhere DeepSpeed itself refuses it, so zerolab says why first.
         if cfg.precision.name == "fp16" and not accel.is_fp16_supported():
             raise ConfigError(f"precision=fp16 under strategy=deepspeed: DeepSpeed's {accel.device_name()} "
-                              "accelerator does not support fp16 here; use precision=bf16 or fp32, or run on CUDA")
+                              "accelerator does not support fp16 on this machine (on a CPU it needs AVX512-FP16); "
+                              "use precision=bf16 or fp32, or zerolab's own strategies (zero1/zero2/zero3), which "
+                              "run fp16 on any CPU")
+        # DeepSpeed reads the launcher's variables even when it adopts a process group it did not
+        # create; a plain `python train.py` has none, and zerolab knows them (zerolab.dist).
+        for var, value in (("LOCAL_RANK", self.ctx.local_rank), ("RANK", self.ctx.rank),
+                           ("WORLD_SIZE", self.ctx.world_size)):
+            os.environ.setdefault(var, str(value))
         self.sharded_grads = cfg.strategy.stage >= 2
         model.to(self.ctx.device)  # DeepSpeed casts to bf16/fp16 itself
         self.names = {id(p): n for n, p in model.named_parameters()}
