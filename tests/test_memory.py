@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from conftest import run_python
-from zerolab.memory import (check_against, load_model_config, predict, shape_from_model_config,
-                            shape_from_params, zero_buckets, ModelShape)
+from zerolab.buckets import zero_buckets
+from zerolab.memory import (ModelShape, check_against, load_model_config, predict, shape_from_model_config,
+                            shape_from_params)
 
 BIG = 1e6  # bucket_mb large enough for one bucket per group
 

@@ -1,6 +1,6 @@
 """Activations: the bytes a forward leaves behind for its backward, measured and predicted.
 
-Measured (`ActivationMeter`): a forward run inside the meter counts every tensor autograd saves
+Measured (`ActivationMeter`, zerolab/accounting/saved.py, below the models that report to it): a forward run inside the meter counts every tensor autograd saves
 for backward (torch.autograd.graph.saved_tensors_hooks), each storage once, so the q, k and v
 views of one qkv output count as that one buffer. Parameters saved for backward (a Linear saves
 its weight, a LayerNorm its weight and bias) are model states, not activations: the meter leaves
@@ -28,84 +28,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Iterable, Optional
 
-import torch
-import torch.nn as nn
-
-# ---- measured -------------------------------------------------------------------------------
-_ACTIVE: list["ActivationMeter"] = []  # meters entered and not yet left, innermost last
-
-
-def _storage_key(t: torch.Tensor) -> tuple[str, int]:
-    return str(t.device), t.untyped_storage().data_ptr()
-
-
-def _is_parameter(t: torch.Tensor) -> bool:
-    """An nn.Parameter or a view of one (a Linear saves weight.t()). Autograd hands the hook the
-    Parameter object itself, so this also catches parameters the meter could not list when it
-    started: FSDP2's unsharded parameters, DeepSpeed stage 3's gathered ones."""
-    return isinstance(t, nn.Parameter) or isinstance(t._base, nn.Parameter)
-
-
-class ActivationMeter:
-    """`with ActivationMeter(model) as m: loss = ...` -> `m.bytes`: bytes saved for backward by
-    that forward, each storage once, parameters and buffers excluded (see the module docstring).
-    With enabled=False it installs nothing and reports 0."""
-
-    def __init__(self, model: Optional[nn.Module] = None, enabled: bool = True):
-        self.model, self.enabled = model, enabled
-        self.bytes = 0
-        self.tensors = 0  # saved tensors seen (a storage seen twice counts twice here, once in bytes)
-        self._seen: set[tuple[str, int]] = set()
-        self._hooks = None
-
-    def __enter__(self) -> "ActivationMeter":
-        self.bytes, self.tensors, self._seen = 0, 0, set()
-        if not self.enabled:
-            return self
-        if self.model is not None:
-            for t in list(self.model.parameters()) + list(self.model.buffers()):
-                local = t.to_local() if hasattr(t, "to_local") else t  # DTensor: the rank's shard
-                if local.device.type != "meta" and local.untyped_storage().nbytes():
-                    self._seen.add(_storage_key(local))  # "seen" already: never counted
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
-        self._hooks.__enter__()
-        _ACTIVE.append(self)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self._hooks is not None:
-            _ACTIVE.remove(self)
-            self._hooks.__exit__(*exc)
-            self._hooks = None
-
-    def add(self, t: torch.Tensor) -> None:
-        """Count `t`'s storage once, unless it is a parameter's or was counted before."""
-        self.tensors += 1
-        if t.device.type == "meta" or _is_parameter(t):
-            return
-        key = _storage_key(t)
-        if key in self._seen:
-            return
-        self._seen.add(key)
-        self.bytes += t.untyped_storage().nbytes()
-
-    def _pack(self, t: torch.Tensor) -> torch.Tensor:
-        self.add(t)
-        return t  # saved as usual: the meter only looks
-
-
-def _unpack(t: torch.Tensor) -> torch.Tensor:
-    return t
-
-
-def keep_for_backward(*tensors: torch.Tensor) -> None:
-    """Tell the active meters (if any) that these tensors stay alive until backward outside
-    autograd's saved tensors: activation checkpointing keeps each checkpointed block's input to
-    recompute it. Free when no meter is active."""
-    for meter in _ACTIVE:
-        for t in tensors:
-            meter.add(t)
-
+from zerolab.accounting.saved import ActivationMeter, keep_for_backward  # noqa: F401  (the measured side)
+from zerolab.models.recompute import CHECKPOINTING, checkpointed_blocks  # noqa: F401
 
 # ---- predicted --------------------------------------------------------------------------------
 # Notation (Korthikanti et al. 2022): b micro-batch, s sequence length, h width (n_embd), a heads,
@@ -140,7 +64,6 @@ def keep_for_backward(*tensors: torch.Tensor) -> None:
 # logits themselves are not saved (the head saves its input), so they are transient (planner).
 
 COMPUTE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "bf16_pure": 2}
-CHECKPOINTING = ("none", "blocks", "every_k")
 DEVICES = ("cpu", "cuda")
 INT64 = 8
 
@@ -180,17 +103,6 @@ class ActivationPrediction:
                 "precision": self.precision, "device": self.device, "checkpointing": self.checkpointing,
                 "bytes": self.bytes, "layer_bytes": self.layer_bytes,
                 "terms": [{"what": t.what, "bytes": t.bytes, "count": t.count} for t in self.terms]}
-
-
-def checkpointed_blocks(n_layer: int, mode: str, every_k: int = 1) -> list[bool]:
-    """Which blocks run under activation checkpointing: none, all (blocks), or blocks
-    0, k, 2k, ... (every_k: one block in k recomputes, the others keep their activations)."""
-    if mode not in CHECKPOINTING:
-        raise ValueError(f"activation checkpointing {mode!r} is not one of {', '.join(CHECKPOINTING)}")
-    if mode == "every_k" and every_k < 1:
-        raise ValueError(f"checkpoint_every_k={every_k} must be >= 1")
-    k = 1 if mode == "blocks" else every_k
-    return [mode != "none" and i % k == 0 for i in range(n_layer)]
 
 
 def _gpt_layer(b: int, s: int, h: int, a: int, c: int, dropout: float, device: str) -> list[tuple[str, int]]:
@@ -297,7 +209,7 @@ def predict_activations(mcfg, micro_batch: int, seq: Optional[int] = None, preci
 
 
 def format_activations(pred: ActivationPrediction) -> str:
-    from zerolab.memory import human_bytes
+    from zerolab.accounting import human_bytes
 
     lines = [f"activations of {pred.model}: micro-batch {pred.micro_batch} × {pred.seq} tokens, {pred.precision}, "
              f"{pred.device}, checkpointing {pred.checkpointing}: {human_bytes(pred.bytes)}"]

@@ -22,16 +22,11 @@ from typing import Any, Dict, Iterable, List, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
+from zerolab.errors import ConfigError  # noqa: F401  (raised here, imported from here by many)
 from zerolab.strategies.settings import StrategyConfig, check_strategy_settings  # strategy.*: the strategies' own schema
 
 
 log = logging.getLogger("zerolab")
-
-
-class ConfigError(ValueError):
-    """A configuration value that cannot work; the message names the key and the fix."""
-
-    same_on_every_rank = False  # see zerolab.errors.ZerolabError
 
 
 @dataclass

@@ -3,8 +3,8 @@
 A `ZerolabError` is a runtime failure whose message already says what happened, to which path or
 rank, and what to do (disk full during a save, every checkpoint corrupt, a held run directory).
 train.py prints such a message as one paragraph and exits non-zero without a Python traceback;
-set ZEROLAB_DEBUG=1 to see the traceback too. Configuration mistakes are `ConfigError`
-(zerolab.config) and exit with code 2.
+set ZEROLAB_DEBUG=1 to see the traceback too. Configuration mistakes are `ConfigError` and exit
+with code 2. Both live here, at the bottom of zerolab's layers, so every module can raise them.
 """
 from __future__ import annotations
 
@@ -12,6 +12,12 @@ import os
 import signal
 import sys
 import traceback
+
+
+class ConfigError(ValueError):
+    """A configuration value that cannot work; the message names the key and the fix. Exit code 2."""
+
+    same_on_every_rank = False  # see ZerolabError
 
 
 class ZerolabError(RuntimeError):
@@ -24,6 +30,10 @@ class ZerolabError(RuntimeError):
     same_on_every_rank = False
 
 
+class CheckpointError(ZerolabError):
+    """A checkpoint that cannot be used; the message names the file and the mismatch."""
+
+
 def debug_enabled() -> bool:
     """ZEROLAB_DEBUG=1: show tracebacks for failures zerolab otherwise explains in one paragraph."""
     return os.environ.get("ZEROLAB_DEBUG", "") not in ("", "0")
@@ -33,8 +43,6 @@ def report(err: BaseException, quiet: bool = False) -> int:
     """Print an explained failure (ZerolabError or zerolab.config.ConfigError) as one paragraph
     on stderr, after its traceback only under ZEROLAB_DEBUG=1, unless it was reported already or
     `quiet`; returns the exit code: 2 for a configuration error, else the error's exit_code."""
-    from zerolab.config import ConfigError
-
     config = isinstance(err, ConfigError)
     if not quiet and not getattr(err, "reported", False):
         if debug_enabled():

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 from zerolab.memory.paper import (format_paper, gb_figure, paper_bytes, paper_formula, paper_k, paper_k_text,
                                   vs_paper)
-from zerolab.memory.prediction import (GB, GIB, NotPredicted, Prediction, fmt_n, human_bytes, predict,
-                                       predicted_strategies)
-from zerolab.memory.shapes import (ModelShape, load_model_config, optimizer_state_elements, shape_from_model_config,
-                                   shape_from_params)
-from zerolab.memory.storage import MODEL_STATES
+from zerolab.accounting import (GB, GIB, MODEL_STATES, ModelShape, NotPredicted, Prediction, fmt_n, human_bytes,
+                                shape_from_params)
+from zerolab.memory.prediction import predict, predicted_strategies, prediction_dict
+from zerolab.memory.shapes import load_model_config, optimizer_state_elements, shape_from_model_config
 from zerolab.precision import COMPUTE_BYTES
 from zerolab.strategies import memory_model
 
@@ -184,5 +183,5 @@ def cli_main(argv: list[str]) -> int:
     except (ValueError, NotImplementedError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(json.dumps(pred.to_dict(), indent=2) if args.json else format_table(pred, reference))
+    print(json.dumps(prediction_dict(pred), indent=2) if args.json else format_table(pred, reference))
     return 0

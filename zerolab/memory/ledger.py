@@ -7,9 +7,9 @@ from __future__ import annotations
 import logging
 
 from zerolab.memory.peak import PEAK_WARN_RATIO, Peak, predicted_peak
-from zerolab.memory.prediction import Prediction, predict
+from zerolab.accounting import CATEGORIES, MODEL_STATES, Prediction
+from zerolab.memory.prediction import predict, prediction_dict
 from zerolab.memory.shapes import optimizer_state_elements, shape_from_model, shape_from_model_config
-from zerolab.memory.storage import CATEGORIES, MODEL_STATES
 from zerolab.precision import COMPUTE_BYTES
 from zerolab.strategies import memory_model
 
@@ -66,7 +66,7 @@ def check_against(preds: list[Prediction] | None, per_rank: list[dict], warn: bo
                 if warn:
                     log.warning("memory ledger: %s (%s)", msg, pred.strategy)
         ratios.append(rank_ratio)
-    return keys, {"predicted": preds[0].to_dict(), "predicted_bytes_per_rank": [p.bytes() for p in preds],
+    return keys, {"predicted": prediction_dict(preds[0]), "predicted_bytes_per_rank": [p.bytes() for p in preds],
                   "measured_over_predicted": ratios, "warnings": warnings}
 
 

@@ -11,8 +11,7 @@ K = master bytes + the optimizer's state elements × their bytes.
 """
 from __future__ import annotations
 
-from zerolab.memory.prediction import GB, MIXED, Prediction, human_bytes, state_bytes
-from zerolab.memory.storage import CATEGORIES
+from zerolab.accounting import CATEGORIES, GB, MIXED, Prediction, human_bytes, state_bytes
 from zerolab.precision import COMPUTE_BYTES
 
 PAPER_FORMULA = {0: "({c}+{c}+K)Ψ", 1: "{c}Ψ+{c}Ψ+KΨ/N", 2: "{c}Ψ+({c}+K)Ψ/N", 3: "({c}+{c}+K)Ψ/N"}

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from zerolab.memory.storage import CATEGORIES
+from zerolab.accounting import CATEGORIES
 
 LOGIT_BUFFER_BYTES = 8  # fp32 gradient of the log-probabilities + of the fp32 logits, per logit
 PARTS = ("model_states", "activations", "transient")  # the split logged as mem/peak_<part>_bytes

@@ -8,7 +8,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from zerolab.activations import checkpointed_blocks, keep_for_backward
+from zerolab.accounting.saved import keep_for_backward
+from zerolab.models.recompute import checkpointed_blocks
 from zerolab.config import ModelConfig
 
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from zerolab.memory import CATEGORIES
+from zerolab.accounting import CATEGORIES
 from zerolab.report.runs import Run, series
 
 

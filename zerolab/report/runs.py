@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from zerolab.comm import theory_bytes_per_step
-from zerolab.memory import CATEGORIES
+from zerolab.accounting import CATEGORIES
 from zerolab.precision import COMPUTE_BYTES as GRAD_BYTES  # gradients travel in the compute dtype
 from zerolab.stats import percentile
 

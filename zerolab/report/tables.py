@@ -4,7 +4,7 @@ from __future__ import annotations
 import math
 import os
 
-from zerolab.memory import CATEGORIES
+from zerolab.accounting import CATEGORIES
 from zerolab.report.runs import PEAK_PARTS, Run
 
 

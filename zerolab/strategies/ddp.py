@@ -13,8 +13,7 @@ import torch.nn as nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
-from zerolab.memory import StorageCounter
-from zerolab.memory.prediction import MIXED, dtype_name
+from zerolab.accounting import MIXED, StorageCounter, dtype_name
 from zerolab.precision import COMPUTE_BYTES
 from zerolab.precision import MasterCopy
 from zerolab.strategies.base import OptimizerFactory, ShardPiece, StepInfo, Strategy

@@ -29,9 +29,7 @@ import torch.nn as nn
 
 from zerolab.config import ConfigError
 from zerolab.errors import ZerolabError
-from zerolab.memory import StorageCounter
-from zerolab.memory.prediction import NotPredicted, ceil_div, dtype_name, fmt_n
-from zerolab.memory.shapes import ModelShape
+from zerolab.accounting import ModelShape, NotPredicted, StorageCounter, ceil_div, dtype_name, fmt_n
 from zerolab.precision import COMPUTE_BYTES
 from zerolab.strategies.base import OptimizerFactory, StepInfo, Strategy
 from zerolab.strategies.deepspeed_checkpoint import DeepSpeedCheckpointing

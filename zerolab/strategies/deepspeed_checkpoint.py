@@ -5,13 +5,17 @@ engine.load_checkpoint, torch.save files under the tag directory DS_TAG inside z
 checkpoint directory), which makes resume bitwise exact at the same world size and stage and
 impossible anywhere else; export goes through DeepSpeed's own consolidation (zero_to_fp32).
 zerolab checksums the files and never lets DeepSpeed unpickle anything beyond tensors, plain
-containers and the classes in DEEPSPEED_GLOBALS (zerolab/checkpoint/format.py: safe_torch_load).
+containers and the classes in DEEPSPEED_GLOBALS (zerolab/safeload.py: safe_torch_load).
 """
 from __future__ import annotations
 
+import os
 from typing import Callable, Optional
 
 import torch
+
+from zerolab.errors import CheckpointError
+from zerolab.safeload import safe_torch_load
 
 DS_TAG = "deepspeed"  # the tag (sub-directory) DeepSpeed's own files go into
 # The globals torch does not allow by default that DeepSpeed 0.19.8's ZeRO checkpoints hold, as
@@ -54,8 +58,6 @@ class DeepSpeedCheckpointing:
         return {"tag": DS_TAG, "stage": self.cfg.strategy.stage, "version": deepspeed.__version__}
 
     def load_native(self, path: str, meta: dict) -> None:
-        from zerolab.checkpoint import CheckpointError, safe_torch_load
-
         tag = meta["native"]["tag"]
         with safe_torch_load(self.checkpoint_globals):
             loaded, _ = self.engine.load_checkpoint(path, tag=tag, load_optimizer_states=True,
@@ -71,14 +73,10 @@ class DeepSpeedCheckpointing:
 
     @classmethod
     def check_native_compatible(cls, meta: dict, path: str, cfg, world_size: int) -> None:
-        import os
-
-        from zerolab.checkpoint import META, CheckpointError
-
         saved, stage = meta["native"]["stage"], cfg.strategy.stage
         if cfg.strategy.name != cls.name or saved != stage or meta["world_size"] != world_size:
             raise CheckpointError(
-                f"{os.path.join(path, META)}: a DeepSpeed stage-{saved} checkpoint of {meta['world_size']} ranks loads "
+                f"{os.path.join(path, 'meta.json')}: a DeepSpeed stage-{saved} checkpoint of {meta['world_size']} ranks loads "
                 f"only into strategy={cls.name} strategy.stage={saved} with {meta['world_size']} ranks (this run: "
                 f"strategy={cfg.strategy.name} stage {stage}, {world_size} ranks). To continue elsewhere, "
                 f"convert its weights: python -m zerolab export {path} --as-checkpoint --out DIR "

@@ -22,8 +22,7 @@ import torch.nn as nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from zerolab.memory import StorageCounter
-from zerolab.memory.prediction import MIXED, ceil_div, dtype_name, fmt_n
+from zerolab.accounting import MIXED, StorageCounter, ceil_div, dtype_name, fmt_n
 from zerolab.precision import COMPUTE_BYTES
 from zerolab.strategies.base import OptimizerFactory, StepInfo, Strategy
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Optional
 
 if TYPE_CHECKING:
-    from zerolab.memory import ModelShape, Prediction
+    from zerolab.accounting import ModelShape, Prediction
 
 
 class MemoryModel:

@@ -18,8 +18,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
-from zerolab.memory import StorageCounter
-from zerolab.memory.prediction import MIXED, ceil_div, fmt_n
+from zerolab.accounting import MIXED, StorageCounter, ceil_div, fmt_n
 from zerolab.strategies.base import OptimizerFactory, StepInfo
 from zerolab.strategies.ddp import DDPStrategy
 

@@ -41,8 +41,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from zerolab.buckets import MAX_IN_FLIGHT, pack_buckets, zero_buckets
-from zerolab.memory import StorageCounter
-from zerolab.memory.prediction import MIXED, dtype_name, fmt_n
+from zerolab.accounting import MIXED, StorageCounter, dtype_name, fmt_n
 from zerolab.optim.segments import Segment
 from zerolab.precision import COMPUTE_BYTES
 from zerolab.strategies.base import OptimizerFactory, ShardPiece, StepInfo, Strategy

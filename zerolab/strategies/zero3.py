@@ -73,8 +73,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from zerolab.buckets import MAX_IN_FLIGHT, bucket_cap, pack_buckets
-from zerolab.memory import StorageCounter
-from zerolab.memory.prediction import MIXED, dtype_name, fmt_n
+from zerolab.accounting import MIXED, StorageCounter, dtype_name, fmt_n
 from zerolab.models import block_of_parameters
 from zerolab.precision import COMPUTE_BYTES
 from zerolab.strategies.base import OptimizerFactory
