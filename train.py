@@ -26,12 +26,14 @@ _task_started = False
 def main(cfg: DictConfig) -> None:
     global _task_started
     _task_started = True
-    from zerolab.trainer import run
+    from zerolab.job import run
 
     try:
         run(cfg)
     except (ConfigError, ZerolabError) as err:
-        exit_for(err, every_rank_alike=getattr(err, "before_ranks_meet", False))
+        # Every rank met it alike: before the process group (configuration), or shared after it
+        # (rank 0 has said it): the other ranks then leave when the launcher stops the job.
+        exit_for(err, every_rank_alike=getattr(err, "before_ranks_meet", False) or err.same_on_every_rank)
 
 
 def _check_command_line() -> None:

@@ -55,8 +55,7 @@ def check(ctx, device: str, strategy: str, precision: str, extra: tuple, run_dir
     except RuntimeError as err:
         return f"synchronises: {str(err).splitlines()[0][:160]}"
     finally:
-        trainer.metrics.close()
-        trainer.progress.close()
+        trainer.close()
 
 
 def main(argv: list[str]) -> int:

@@ -3,7 +3,7 @@
 The launch scripts call this before starting any rank, so that they know where to put the rank
 logs and the status file, and so that every node of a multi-node job is handed the same
 `run.dir=` (the trainer's own choice would be made by one rank 0 only after rendezvous). The name
-comes from zerolab.trainer.new_run_dir: <run.root>/<experiment>/<time>-<strategy>[-job<id>]; a
+comes from zerolab.rundir.new_run_dir: <run.root>/<experiment>/<time>-<strategy>[-job<id>]; a
 requeued Slurm job gets the directory its first start chose (found by its job id).
 Composing the config also validates it: a bad override, a given token file that is missing, empty
 or too short (zerolab.data.check_token_file), a run.dir that another job holds (zerolab/runlock.py)
@@ -22,7 +22,7 @@ from zerolab import record, runlock  # noqa: E402
 from zerolab.checkpoint import check_resume_path, checkpoint_dir  # noqa: E402
 from zerolab.config import ConfigError, check_overrides, compose, config_groups  # noqa: E402
 from zerolab.data import check_token_file  # noqa: E402
-from zerolab.trainer import new_run_dir  # noqa: E402
+from zerolab.rundir import new_run_dir  # noqa: E402
 
 
 
@@ -42,9 +42,10 @@ def choose(overrides: list[str]) -> str:
     cfg = compose(overrides)
     check_resume_path(cfg.checkpoint.resume)
     if cfg.data.kind == "text" and cfg.data.path:
-        # A given token file that cannot give a window of each split: exit 2 here, seconds after
-        # the launch, not after every rank has started (the ranks check it again themselves).
-        check_token_file(cfg.data.path, cfg.model.block_size, cfg.data.val_fraction)
+        # A given token file that cannot give a window of each split, or holds a token the model's
+        # vocabulary lacks: exit 2 here, seconds after the launch, not after every rank has started
+        # (the ranks check it again themselves).
+        check_token_file(cfg.data.path, cfg.model.block_size, cfg.data.val_fraction, cfg.model.vocab_size)
     path = os.path.abspath(cfg.run.dir or requeued_run_dir(cfg) or new_run_dir(cfg))
     runlock.check_free(path)  # a held directory: refuse before the launcher writes logs into it
     record.check(cfg, path, checkpoint_dir(cfg, path))  # another run's record: a fresh start here is refused

@@ -223,7 +223,7 @@ def test_deepspeed_restores_comm_backend(tmp_path):
     """deepspeed.comm's backend carries zerolab's counting wrappers only while the run lasts."""
     pytest.importorskip("deepspeed")
     script = (
-        "import os, sys; from zerolab.config import compose; from zerolab.trainer import run\n"
+        "import os, sys; from zerolab.config import compose; from zerolab.job import run\n"
         "import deepspeed.comm.comm as c\n"
         f"run(compose(sys.argv[1:]))\n"
         "b = c.cdb\n"

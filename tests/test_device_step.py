@@ -80,8 +80,7 @@ def logged_vs_unlogged(one_rank, tmp_path, monkeypatch, strategy: str, *extra: s
             skipped[every].append(bool(info.skipped))
         weights[every] = trainer.strategy.consolidated_state_dict()
         scale[every] = trainer.precision.scaler.state_dict()
-        trainer.metrics.close()
-        trainer.progress.close()
+        trainer.close()
         if every == 100:
             assert reads == [0] * (STEPS - 2), reads  # steps 1..3 unlogged, none read the host
     # A skipped step's norm is inf or nan (nan != nan): compare the finite ones, and where the others are.
@@ -130,8 +129,7 @@ def test_nonfinite_unlogged_step_stops_before_its_weights_are_saved(one_rank, tm
                           "fault.inf_grad_step=1")
     with pytest.raises(NonFiniteGradient, match=r"step 1 \(0-based.*not finite \(seen at step 2"):
         trainer.fit()
-    trainer.metrics.close()
-    trainer.progress.close()
+    trainer.close()
     ckpt = tmp_path / "run" / "checkpoints"
     assert not ckpt.exists() or not [d for d in os.listdir(ckpt) if d.startswith("step_")]
 
@@ -144,16 +142,14 @@ def test_skips_decided_on_the_device_are_reported_at_the_next_logged_step(one_ra
                           "fault.inf_grad_step=2")
     with caplog.at_level("WARNING", logger="zerolab"):
         summary = trainer.fit()
-    trainer.metrics.close()
-    trainer.progress.close()
+    trainer.close()
     assert summary["skipped_steps"] == 1
     assert any("1 update(s) skipped from step 2 (0-based" in r.getMessage() for r in caplog.records), caplog.text
     trainer = trainer_for(one_rank, tmp_path / "fp16", "ddp", "trainer.log_every=100", "precision=fp16",
                           "precision.min_scale=65536", "fault.inf_grad_step=2")
     with pytest.raises(LossScaleUnderflow, match="step 2: fp16 loss scale would fall to 32768"):
         trainer.fit()
-    trainer.metrics.close()
-    trainer.progress.close()
+    trainer.close()
 
 
 @pytest.mark.parametrize("extra", [("optim=lamb",), ("optim=lars",), ("precision=bf16_pure",),
@@ -167,8 +163,7 @@ def test_composed_optimizers_still_skip_on_the_host(one_rank, tmp_path, extra):
     trainer.train_step(0)
     _, _, info = trainer.train_step(1)
     assert not trainer.logs_step(1) and isinstance(info.grad_norm, float), extra
-    trainer.metrics.close()
-    trainer.progress.close()
+    trainer.close()
 
 
 @pytest.mark.parametrize("every", [1, 100])
@@ -195,5 +190,4 @@ def test_fp16_unscales_by_the_scale_backward_used(one_rank, tmp_path, every):
         assert len(pairs) == len(strategy.master.master), step
         assert all(torch.equal(master, model.float() / used) for master, model in pairs), step
     assert trainer.precision.scaler.scale == 2.0 ** 13  # 2^10 doubled after each of the 3 clean steps
-    trainer.metrics.close()
-    trainer.progress.close()
+    trainer.close()

@@ -172,7 +172,7 @@ def test_report_is_one_paragraph_unless_debugging(capsys, monkeypatch):
 
 
 def test_agree_raises_the_same_explained_error_everywhere(one_rank):
-    from zerolab.trainer import agree
+    from zerolab.dist import agree
 
     def bad_config():
         raise ConfigError("token file x is empty")
@@ -210,7 +210,7 @@ def test_weights_and_summary_are_written_before_the_final_eval(tmp_path, one_ran
     trainer = Trainer(cfg, one_rank, model=BreaksInEval(build_model(cfg.model)))
     with pytest.raises(RuntimeError, match="the eval broke"):
         trainer.fit()
-    trainer.run_lock.release()
+    trainer.close()
     weights = load_weights(tmp_path / "run")
     assert set(weights) == {f"inner.{k}" for k in build_model(cfg.model).state_dict()}
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())

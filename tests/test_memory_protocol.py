@@ -24,7 +24,7 @@ def test_every_strategy_predicts_itself(name):
     for stage in cls.sweep_stages or (0,):
         label, paper_stage = cls.memory_identity(stage)
         pred = predict(shape_from_params(1001), name, 3, "bf16", stage=stage, state_elements=2)
-        assert (pred.strategy, pred.paper_stage) == (label, paper_stage)
+        assert (pred.strategy, pred.stage) == (label, paper_stage)
         assert paper_stage in (0, 1, 2, 3) and pred.bytes()["total"] > 0
 
 

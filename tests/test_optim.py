@@ -301,7 +301,7 @@ def test_bad_settings_are_named():
 
 
 def test_optim_state_command(capsys):
-    from zerolab.optim.cli import optim_state_main
+    from zerolab.memory.cli import optim_state_main
 
     assert optim_state_main(["--optim", "sgd", "sgd_momentum", "lamb", "--model", "mlp"]) == 0
     rows = {line.split()[0]: line.split() for line in capsys.readouterr().out.splitlines()[2:]}

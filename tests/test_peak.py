@@ -28,7 +28,7 @@ def _train_one_rank(tmp_path, ctx, *overrides):
     cfg = compose([*RUN, *overrides, f"run.dir={tmp_path}"])
     trainer = Trainer(cfg, ctx)
     trainer.fit()
-    trainer.run_lock.release()
+    trainer.close()
     return trainer, [r for r in read_metrics(tmp_path) if "rank0/mem/peak_bytes" in r]
 
 
@@ -58,7 +58,7 @@ def test_ddp_records_its_step_transient_in_bf16(tmp_path, one_rank):
     as it makes them, as the ledger predicts (not the peak: backward holds more)."""
     trainer, _ = _train_one_rank(tmp_path, one_rank, "model=gpt_tiny", "model.block_size=32",
                                  "data.micro_batch=1", "trainer.max_steps=1", "precision=bf16", "strategy=ddp")
-    predicted = [t.bytes for t in trainer.mem_pred[0].terms if t.category == "transient" and t.when == "step"]
+    predicted = [t.bytes for t in trainer.memory.predicted[0].terms if t.category == "transient" and t.when == "step"]
     assert trainer.strategy.transient_peak_bytes() == {"backward": 0, "step": 4 * trainer.n_params}
     assert predicted == [4 * trainer.n_params]
 

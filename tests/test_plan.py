@@ -5,7 +5,7 @@ import pytest
 
 from zerolab.activations import predict_activations
 from zerolab.memory import load_model_config, predict, shape_from_model_config
-from zerolab.plan import Planner, cli_main, derived_gpt, parse_bytes, step_only
+from zerolab.plan import Planner, cli_main, derived_gpt, parse_bytes
 
 
 def test_parse_bytes_units_and_errors():
@@ -62,7 +62,7 @@ def test_largest_micro_batch_is_the_boundary(small):
 
 def test_step_only_transients_are_told_apart():
     shape = shape_from_model_config(load_model_config("gpt_small"))
-    kinds = lambda p: sorted(step_only(t) for t in p.terms if t.category == "transient")
+    kinds = lambda p: sorted(t.when == "step" for t in p.terms if t.category == "transient")
     assert kinds(predict(shape, "ddp", 2, "bf16", "adamw")) == [True]  # fp32 gradient copies in step()
     assert any(kinds(predict(shape, "deepspeed", 2, "bf16", "adamw", stage=2)))  # its fp32 partition in step()
     # zero2: bucket copies and reduce-scatter outputs during backward; the 16-bit all-gather

@@ -172,20 +172,18 @@ def test_fp16_run_that_never_updated_fails_loudly(tmp_path):
 
 def test_skipped_share_limit_is_named():
     """Above trainer.max_skipped_share (but not all skipped) the message names the share and the key."""
-    from types import SimpleNamespace
-
     from zerolab.config import compose
     from zerolab.precision import Precision
-    from zerolab.trainer import Trainer
+    from zerolab.results import skipped_error
 
     cfg = compose(["precision=bf16", "trainer.max_steps=10"])
-    fake = SimpleNamespace(cfg=cfg, precision=Precision.from_config(cfg.precision), start_step=0)
-    assert Trainer.skipped_error(fake, 5, 10) is None  # 0.5 is the default limit: at it, not above
-    msg = Trainer.skipped_error(fake, 6, 10)
+    scaler = Precision.from_config(cfg.precision).scaler
+    assert skipped_error(cfg, scaler, 0, 5, 10) is None  # 0.5 is the default limit: at it, not above
+    msg = skipped_error(cfg, scaler, 0, 6, 10)
     assert "6 of 10 steps (60%)" in msg and "trainer.max_skipped_share=0.5" in msg
-    assert Trainer.skipped_error(fake, 10, 10).startswith("no update was applied: all 10 steps")
+    assert skipped_error(cfg, scaler, 0, 10, 10).startswith("no update was applied: all 10 steps")
     cfg.trainer.max_skipped_share = 1.0
-    assert Trainer.skipped_error(fake, 9, 10) is None and Trainer.skipped_error(fake, 10, 10)
+    assert skipped_error(cfg, scaler, 0, 9, 10) is None and skipped_error(cfg, scaler, 0, 10, 10)
 
 
 @pytest.mark.slow

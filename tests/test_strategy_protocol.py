@@ -14,8 +14,8 @@ import torch
 
 from conftest import ROOT, fixed_corpus, run_train
 from zerolab.config import compose
-from zerolab.strategies import (REGISTRY, STRATEGY_DEPENDENT, all_names, names_where, reference_strategy,
-                                strategy_class)
+from zerolab.schema import BY_STRATEGY, applies_rules
+from zerolab.strategies import REGISTRY, all_names, names_where, reference_strategy, strategy_class
 
 TINY = ["model=gpt_tiny", "trainer.eval_every=0", "data.micro_batch=2", "logging.wandb.mode=disabled",
         "logging.progress=false", "run.save_model=false"]
@@ -23,19 +23,22 @@ TINY = ["model=gpt_tiny", "trainer.eval_every=0", "data.micro_batch=2", "logging
 
 # ---- what each strategy declares ---------------------------------------------------------------
 def test_every_strategy_declares_format_settings_and_one_reference():
-    from zerolab.strategies.settings import StrategyConfig
     import dataclasses
 
-    settable = {f"strategy.{f.name}" for f in dataclasses.fields(StrategyConfig) if f.name != "name"}
+    from zerolab.schema import StrategyConfig
+
+    # the settings whose schema field says the strategy decides: every strategy.* key but the name
+    decided = {k for k, rule in applies_rules().items() if rule == BY_STRATEGY}
+    assert {f"strategy.{f.name}" for f in dataclasses.fields(StrategyConfig) if f.name != "name"} <= decided
     for name in REGISTRY:
         cls = strategy_class(name)
         assert cls.name == name
         assert cls.checkpoint_format in ("pieces", "native", "none"), name
-        assert cls.uses <= settable | set(STRATEGY_DEPENDENT), f"{name} uses unknown settings {cls.uses - settable}"
+        assert cls.uses <= decided, f"{name} uses settings no schema field leaves to it: {sorted(cls.uses - decided)}"
     assert reference_strategy() == "ddp"
-    # and no setting is orphaned: every strategy.* field is read by some strategy
+    # and no setting is orphaned: every one the strategy decides is read by some strategy
     used = set().union(*(strategy_class(name).uses for name in REGISTRY))
-    assert settable <= used, f"strategy settings no strategy uses: {sorted(settable - used)}"
+    assert decided <= used, f"strategy-decided settings no strategy uses: {sorted(decided - used)}"
     # torch_zero inherits DDP's checkpoint methods but must not write them (its optimizer state
     # lives on the rank owning each parameter): the class attribute says so, not a name list.
     assert strategy_class("torch_zero").checkpoint_format == "none"
@@ -131,8 +134,7 @@ def test_fsdp_on_a_model_without_blocks_warns(tmp_path, monkeypatch, caplog):
     try:
         with caplog.at_level(logging.WARNING, logger="zerolab"):
             trainer = Trainer(cfg, ctx)
-        trainer.metrics.close()
-        trainer.progress.close()
+        trainer.close()
     finally:
         zdist.shutdown(ctx)
     found = [r.getMessage() for r in caplog.records if "has no .blocks" in r.getMessage()]
@@ -166,8 +168,7 @@ def test_format_2_checkpoint_still_loads(tmp_path, monkeypatch):
         a.train_step(1)
         path = a.checkpointer.save(2, a.strategy, a.schedule, a.sampler)
         saved = {k: v.clone() for k, v in a.strategy.consolidated_state_dict().items()}
-        a.metrics.close()
-        a.progress.close()
+        a.close()
 
         meta_file = Path(path) / "meta.json"
         meta = json.loads(meta_file.read_text())
@@ -180,7 +181,6 @@ def test_format_2_checkpoint_still_loads(tmp_path, monkeypatch):
         assert b.start_step == 2 and b.strategy.step_count == 2
         got = b.strategy.consolidated_state_dict()
         assert all(torch.equal(got[k], saved[k]) for k in saved)
-        b.metrics.close()
-        b.progress.close()
+        b.close()
     finally:
         zdist.shutdown(ctx)

@@ -43,8 +43,7 @@ def trainer_for(ctx, tmp_path, strategy: str, *extra: str, model=None) -> Traine
 
 
 def close(trainer: Trainer) -> None:
-    trainer.metrics.close()
-    trainer.progress.close()
+    trainer.close()
 
 
 def gathered(strategy) -> int:

@@ -28,7 +28,7 @@ def train_with_frozen(ctx, tmp_path, strategy: str, steps: int = 3) -> tuple[dic
     for step in range(steps):
         trainer.train_step(step)
     weights = trainer.strategy.consolidated_state_dict()
-    trainer.metrics.close()
+    trainer.close()
     return weights, before
 
 

@@ -1,30 +1,15 @@
 """`python -m zerolab <command>`: zerolab's tools besides training."""
 from __future__ import annotations
 
-import argparse
 import sys
-
-
-def _data(argv: list[str]) -> int:
-    from zerolab.data import prepare
-
-    p = argparse.ArgumentParser(prog="zerolab data prepare", description="byte-tokenize text into a token file")
-    p.add_argument("action", choices=["prepare"])
-    p.add_argument("--src", nargs="+", required=True, help="files or directories (*.py, *.txt, *.md, *.rst)")
-    p.add_argument("--out", required=True)
-    p.add_argument("--max-bytes", type=int, default=None)
-    args = p.parse_args(argv)
-    n = prepare(args.src, args.out, args.max_bytes)
-    print(f"wrote {n} tokens to {args.out}")
-    return 0
 
 
 # Each command lives with the code it serves: "module:function(argv) -> exit code", and a line
 # for `python -m zerolab --help`.
 COMMANDS = {
-    "data": ("zerolab.__main__:_data", "prepare a byte-level token file from text files (data prepare --src ... --out ...)"),
+    "data": ("zerolab.data.cli:cli_main", "prepare a token file from text files, byte-level or with a tokenizer.json (data prepare --src ... --out ...)"),
     "lr": ("zerolab.optim.cli:lr_main", "the peak learning rate a batch-size scaling rule gives"),
-    "optim-state": ("zerolab.optim.cli:optim_state_main", "state elements per parameter each optimizer keeps, measured"),
+    "optim-state": ("zerolab.memory.cli:optim_state_main", "state elements per parameter each optimizer keeps, measured"),
     "memory": ("zerolab.memory:cli_main", "predicted bytes per rank by category, for any model, strategy and world size"),
     "plan": ("zerolab.plan:cli_main", "will it fit: largest micro-batch and peak per rank for each strategy, under a GPU's memory"),
     "compare": ("zerolab.report:cli_main", "compare run or sweep directories: tables, parity, figures"),

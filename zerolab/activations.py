@@ -30,6 +30,7 @@ from typing import Iterable, Optional
 
 from zerolab.accounting.saved import ActivationMeter, keep_for_backward  # noqa: F401  (the measured side)
 from zerolab.models.recompute import CHECKPOINTING, checkpointed_blocks  # noqa: F401
+from zerolab.precision import COMPUTE_BYTES
 
 # ---- predicted --------------------------------------------------------------------------------
 # Notation (Korthikanti et al. 2022): b micro-batch, s sequence length, h width (n_embd), a heads,
@@ -63,7 +64,6 @@ from zerolab.models.recompute import CHECKPOINTING, checkpointed_blocks  # noqa:
 # lm_loss upcasts the logits to fp32 and log_softmax saves its fp32 output (4·bsV bytes). The
 # logits themselves are not saved (the head saves its input), so they are transient (planner).
 
-COMPUTE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "bf16_pure": 2}
 DEVICES = ("cpu", "cuda")
 INT64 = 8
 
@@ -145,12 +145,6 @@ def _gpt_layer(b: int, s: int, h: int, a: int, c: int, dropout: float, device: s
     return terms
 
 
-def korthikanti_layer_bytes(b: int, s: int, h: int, a: int) -> int:
-    """Korthikanti et al. 2022, eq. 1: sbh(34 + 5as/h), Megatron's layer in 16-bit with dropout
-    (for comparison; zerolab's own count is `_gpt_layer`)."""
-    return int(s * b * h * (34 + 5 * a * s / h))
-
-
 def predict_activations(mcfg, micro_batch: int, seq: Optional[int] = None, precision: str = "fp32",
                         device: str = "cpu", checkpointing: Optional[str] = None,
                         every_k: Optional[int] = None, dropout: Optional[float] = None) -> ActivationPrediction:
@@ -208,15 +202,5 @@ def predict_activations(mcfg, micro_batch: int, seq: Optional[int] = None, preci
     return pred
 
 
-def format_activations(pred: ActivationPrediction) -> str:
-    from zerolab.accounting import human_bytes
-
-    lines = [f"activations of {pred.model}: micro-batch {pred.micro_batch} × {pred.seq} tokens, {pred.precision}, "
-             f"{pred.device}, checkpointing {pred.checkpointing}: {human_bytes(pred.bytes)}"]
-    lines += [f"  {human_bytes(t.total):>10}  {t.what}" + (f" (× {t.count})" if t.count > 1 else "")
-              for t in pred.terms]
-    return "\n".join(lines)
-
-
 __all__: Iterable[str] = ["ActivationMeter", "keep_for_backward", "predict_activations", "ActivationPrediction",
-                          "checkpointed_blocks", "korthikanti_layer_bytes", "format_activations"]
+                          "checkpointed_blocks"]

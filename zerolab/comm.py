@@ -18,7 +18,6 @@ class CommCounter:
     def __init__(self, world_size: int):
         self.world_size = world_size
         self.step_bytes: dict[str, float] = defaultdict(float)
-        self.total_bytes = 0.0
 
     def record(self, op: str, full: torch.Tensor | int, element_size: int | None = None) -> None:
         """Record a collective over a buffer of `full` (tensor, or element count) — the whole
@@ -30,7 +29,6 @@ class CommCounter:
         n = self.world_size
         sent = _FACTOR[op] * nbytes * (n - 1) / n if n > 1 else 0.0
         self.step_bytes[op] += sent
-        self.total_bytes += sent
 
     def pop_step(self) -> dict[str, float]:
         """Bytes sent since the last call, by collective, plus 'total'."""

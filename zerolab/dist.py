@@ -17,7 +17,8 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from zerolab.config import DistConfig
+from zerolab.schema import DistConfig
+from zerolab.errors import ConfigError, ZerolabError
 
 
 @dataclass
@@ -125,3 +126,23 @@ def shutdown(ctx: Optional[DistContext]) -> None:
     gc.collect()  # strategies live in reference cycles (hooks on the model point back at them)
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def agree(ctx: DistContext, check) -> None:
+    """Run `check` on every rank; if it raised on any, every rank raises the same error (a
+    ConfigError as such, anything else as a ZerolabError naming it), so no rank goes on to wait
+    in a collective for one that left; rank 0 alone says it (same_on_every_rank)."""
+    mine, cause = None, None
+    try:
+        check()
+    except ConfigError as err:
+        mine, cause = ("config", str(err)), err
+    except Exception as err:  # e.g. the embedded corpus could not be written: keep the ranks together
+        mine, cause = ("error", f"{type(err).__name__}: {err}"), err
+    found = [(r, m) for r, m in enumerate(ctx.gather_objects(mine)) if m]
+    if found:
+        rank, (kind, msg) = found[0]
+        msg = msg if len(found) == ctx.world_size else f"on rank {rank}: {msg}"
+        err = ConfigError(msg) if kind == "config" else ZerolabError(msg)
+        err.same_on_every_rank = True
+        raise err from cause

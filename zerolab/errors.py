@@ -25,7 +25,7 @@ class ZerolabError(RuntimeError):
 
     exit_code = 1
     # True when every rank raises the same error at the same point (one rank decided and shared
-    # it): then zerolab.trainer.run has rank 0 alone print it. Otherwise each rank that raises an
+    # it): then zerolab.job.run has rank 0 alone print it. Otherwise each rank that raises an
     # error prints it.
     same_on_every_rank = False
 
@@ -71,11 +71,13 @@ WAIT_FOR_LAUNCHER_S = 60.0
 def exit_for(err: BaseException, every_rank_alike: bool = False) -> None:
     """Exit for an explained failure (ZerolabError, zerolab.config.ConfigError), said once per job.
 
-    `every_rank_alike`: every rank meets this failure the same way before the ranks can talk
-    (a configuration error, found before the process group exists): rank 0 alone prints it. The
-    other ranks print nothing and wait for their launcher to stop them, which it does once rank 0
-    has exited (torchrun, srun --kill-on-bad-exit), then exit with the same code; leaving first
-    would make the launcher stop the job, rank 0 perhaps before its message was out."""
+    `every_rank_alike`: every rank meets this failure the same way: before the ranks can talk (a
+    configuration error, found before the process group exists), or shared by a collective (rank
+    0 has printed it already: zerolab.job.run). Rank 0 alone prints it. The other ranks print
+    nothing and wait for their launcher to stop them, which it does once rank 0 has exited
+    (torchrun, srun --kill-on-bad-exit), then exit with the same code: leaving first would make the
+    launcher stop the job, rank 0 perhaps before its message was out, and a rank the launcher stops
+    before it exits would show the launcher's signal instead of the error's code."""
     quiet = every_rank_alike and launch_rank() != 0
     code = report(err, quiet=quiet)
     if quiet:

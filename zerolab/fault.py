@@ -25,16 +25,16 @@ import socket
 import sys
 import threading
 import time
+import traceback
 
 import torch
 import torch.distributed as dist
 
-from zerolab.config import ConfigError, FaultConfig
+from zerolab.schema import RECORD_CUT, FaultConfig
+from zerolab.errors import ZerolabError, debug_enabled
+from zerolab.preempt import StopRequest
 
 log = logging.getLogger("zerolab")
-MODES = ("exit", "raise", "hang", "stop")
-PHASES = ("forward", "backward", "optimizer")
-RECORD_CUT = "record_cut"  # fault.mode=exit: die inside the resume's cut of metrics.jsonl (zerolab.record)
 
 
 class InjectedFault(RuntimeError):
@@ -51,14 +51,7 @@ def restart_count() -> int:
 
 class FaultInjector:
     def __init__(self, cfg: FaultConfig, rank: int, world_size: int):
-        if cfg.mode not in MODES:
-            raise ConfigError(f"fault.mode={cfg.mode!r} is not valid; allowed values: {', '.join(MODES)}")
-        if cfg.kill_rank >= world_size:
-            raise ConfigError(f"fault.kill_rank={cfg.kill_rank} but the job has {world_size} ranks")
-        if cfg.mode == "stop" and cfg.phase not in PHASES:
-            raise ConfigError(f"fault.phase={cfg.phase!r} is not valid; allowed values: {', '.join(PHASES)}")
-        if cfg.phase == RECORD_CUT and cfg.mode != "exit":
-            raise ConfigError(f"fault.phase={RECORD_CUT} goes with fault.mode=exit (got fault.mode={cfg.mode})")
+        """`cfg` was validated (zerolab.config: modes, phases, kill_rank < world_size)."""
         self.cfg, self.rank = cfg, rank
         self.armed = cfg.kill_rank == rank and cfg.at_step >= 0 and restart_count() == 0
 
@@ -78,6 +71,14 @@ class FaultInjector:
         else:
             self._stop_now(step, phase)
 
+    def poison(self, loss: "torch.Tensor", step: int) -> "torch.Tensor":
+        """fault.inf_grad_step: this rank's last backward of that step carries inf (call it with the
+        last micro-batch's loss), so its gradients are non-finite before the reduction and every
+        rank sees the overflow. Every other step: the loss as it is."""
+        if step == self.cfg.inf_grad_step and self.rank == self.cfg.inf_grad_rank:
+            return loss * float("inf")
+        return loss
+
     def in_record_cut(self) -> None:
         """fault.phase=record_cut: exit while the resume's cut of the record is half done (its
         temporary file written, not yet renamed over metrics.jsonl)."""
@@ -96,6 +97,17 @@ class FaultInjector:
         if self.cfg.mode == "raise":
             raise InjectedFault(msg)
         threading.Event().wait()  # hang: blocks until the launcher kills the process
+
+
+def stop_now(err: BaseException) -> None:
+    """A peer stopped mid-collective: print the verdict and exit at once. Tearing down a process
+    group whose peer is gone (destroy_process_group, the store client, interpreter exit) can take
+    seconds or wait for another timeout, and nothing is left to save: the job ends now."""
+    if debug_enabled():
+        traceback.print_exception(err)
+    print(f"{type(err).__name__}: {err}", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(1)
 
 
 def process_state(pid: int) -> "str | None":
@@ -136,8 +148,6 @@ class ProgressBoard:
             atexit.register(self.close)
 
     def _beat(self) -> None:
-        from zerolab.preempt import StopRequest
-
         store = self.store
         while not self._stop.wait(self.interval):
             stuck = time.monotonic() - self.changed
@@ -199,8 +209,6 @@ class ProgressBoard:
         """Raise RankStopped naming the ranks that stopped, if any; otherwise return. A frozen
         (SIGSTOPped) rank on this host is killed, so that the launcher does not wait its grace
         period for it."""
-        from zerolab.errors import ZerolabError
-
         if self.store is None or isinstance(err, (RankStopped, InjectedFault, ZerolabError)):
             return
         self._stop.set()  # this rank's own heartbeat no longer matters

@@ -14,7 +14,7 @@ import sys
 from typing import Optional
 
 from zerolab.atomic import atomic_write_text
-from zerolab.config import LoggingConfig
+from zerolab.schema import LoggingConfig
 
 log = logging.getLogger(__name__)
 
@@ -101,12 +101,15 @@ class MetricsSink:
             self.wandb.log({k: v for k, v in record.items() if k != "step"}, step=record.get("step"))
 
     def close(self, summary: Optional[dict] = None) -> None:
+        """Idempotent: the first call closes the file and finishes the wandb run."""
         if self.file:
             self.file.close()
+            self.file = None
         if self.wandb is not None:
             if summary:
                 self.wandb.summary.update({k: v for k, v in summary.items() if not isinstance(v, (dict, list))})
             self.wandb.finish()
+            self.wandb = None
 
 
 class Progress:

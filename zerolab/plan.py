@@ -30,7 +30,8 @@ import re
 import sys
 from dataclasses import dataclass, field, replace
 
-from zerolab.activations import COMPUTE_BYTES, predict_activations
+from zerolab.activations import predict_activations
+from zerolab.precision import COMPUTE_BYTES
 from zerolab.memory import Prediction, human_bytes, load_model_config, shape_from_model_config, sweep_predictions
 from zerolab.memory.peak import predicted_peak
 
@@ -51,12 +52,6 @@ def parse_bytes(text: str, what: str = "--gpu-mem") -> int:
     if value <= 0:
         raise ValueError(f"{what}={text!r} must be more than zero")
     return int(value)
-
-
-def step_only(term) -> bool:
-    """memory.predict's transient terms that exist inside the optimizer step only (after backward
-    has freed the activations): the strategy's predictor says so (Term.when)."""
-    return term.when == "step"
 
 
 def derived_gpt(n_params: float, seq: int, vocab: int = 50304, layers: int = 0, width: int = 0, heads: int = 0):

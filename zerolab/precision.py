@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from zerolab.config import PrecisionConfig
+from zerolab.schema import PrecisionConfig
 
 log = logging.getLogger(__name__)
 
@@ -22,6 +22,15 @@ _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
 # Bytes per element of each mode's compute dtype (the model's weights and gradients): the one
 # precision-to-bytes table, read by the memory ledger and the report.
 COMPUTE_BYTES = {name: dtype.itemsize for name, dtype in _DTYPES.items()}
+# The dtype the optimizer updates, and so keeps its state in: fp32 master weights (or the fp32
+# weights themselves), except bf16_pure, whose point is to update the 16-bit weights in place.
+UPDATE_DTYPES = {name: torch.bfloat16 if name == "bf16_pure" else torch.float32 for name in _DTYPES}
+MIXED = ("bf16", "fp16")  # precisions that keep an fp32 master copy beside 16-bit weights
+
+
+def state_bytes(precision: str) -> int:
+    """Bytes per element of what the optimizer updates and keeps (UPDATE_DTYPES)."""
+    return UPDATE_DTYPES[precision].itemsize
 
 
 class LossScaleUnderflow(RuntimeError):
@@ -115,12 +124,13 @@ class Precision:
             log.warning("precision=bf16_pure: the optimizer updates bf16 weights directly, with no fp32 "
                         "master copy. Updates smaller than ~0.4% of a weight are lost. This mode exists "
                         "to show why master weights matter; use precision=bf16 to train.")
-        return cls(cfg.name, _DTYPES[cfg.name], cfg.name in ("bf16", "fp16"),
+        return cls(cfg.name, _DTYPES[cfg.name], cfg.name in MIXED,
                    LossScaler(cfg, enabled=cfg.name == "fp16", device=device))
 
     @property
-    def grad_dtype(self) -> torch.dtype:
-        return self.compute_dtype
+    def update_dtype(self) -> torch.dtype:
+        """The dtype the optimizer updates (UPDATE_DTYPES)."""
+        return UPDATE_DTYPES[self.name]
 
 
 class MasterCopy:

@@ -42,6 +42,13 @@ class Preempted(ZerolabError):
 
     exit_code = EXIT_PREEMPTED
 
+    @classmethod
+    def after(cls, done: int, max_steps: int, why: str, checkpoint, run_dir: str) -> "Preempted":
+        resume = (f"resume it with checkpoint.resume=auto run.dir={run_dir}" if checkpoint else
+                  "no checkpoint was written (this strategy cannot write one)")
+        return cls(f"zerolab: stopped after step {done} of {max_steps} on {why}; checkpoint {checkpoint or '(none)'}; "
+                   f"{resume}")
+
 
 class StopRequest:
     """Process-wide: which stop signal arrived (None if none). Installed once, early."""

@@ -10,12 +10,18 @@ checkpoint, when checkpoint.every is set). No traceback: the disk is full, nothi
 from __future__ import annotations
 
 import errno
+import logging
+import math
 import os
+import statistics
 from typing import Callable, Optional
 
 from zerolab.atomic import atomic_path, atomic_write_json
 from zerolab.checkpoint import write_safetensors
 from zerolab.errors import ZerolabError
+from zerolab.stats import percentile
+
+log = logging.getLogger("zerolab")
 
 NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 
@@ -83,3 +89,50 @@ class FinalFiles:
             f"the run trained all {steps} steps, but the disk filled while it wrote its results into {self.run_dir} "
             f"({why}): written: {written}; not written: {', '.join(missing)}. {where}. Free space there; "
             f"`python -m zerolab compare` reads what was written.")
+
+
+def run_summary(cfg, ctx, *, n_params: int, global_batch: int, loss: float, eval_loss: Optional[float],
+                step_times: list[float], skipped: int, run_dir: str, metrics_path: str, memory: dict) -> dict:
+    """summary.json: what the run was, how it ended, how long its steps took, its memory."""
+    steps_run = len(step_times)  # this process's steps (a resumed run counts from its resume step)
+    return {
+        "final_loss": loss, "eval_loss": eval_loss, "steps": cfg.trainer.max_steps,
+        "world_size": ctx.world_size, "strategy": cfg.strategy.name, "precision": cfg.precision.name,
+        "optimizer": cfg.optim.name, "model": cfg.model.name, "n_params": n_params, "global_batch": global_batch,
+        "steps_run": steps_run, "skipped_steps": skipped, "applied_steps": steps_run - skipped,
+        "step_time_p50_s": statistics.median(step_times) if step_times else None,
+        "step_time_p95_s": percentile(step_times, 95) if step_times else None,
+        **memory, "run_dir": run_dir, "metrics": metrics_path, "eval_digest": None,
+    }
+
+
+def skipped_error(cfg, scaler, start_step: int, skipped: int, steps: int) -> Optional[str]:
+    """Why this run must not count as a result: it applied no update at all, or skipped more
+    than trainer.max_skipped_share of its steps. None when it is fine."""
+    share = cfg.trainer.max_skipped_share
+    if not steps or (skipped < steps and skipped <= share * steps):
+        return None
+    if scaler.enabled:
+        why = (f"fp16 gradients overflowed at each of those steps, with the loss scale halving every time "
+               f"(now {scaler.scale:g}); lower precision.initial_scale (default 65536) or use precision=bf16")
+    else:
+        why = ("the gradients were not finite at those steps (trainer.nonfinite=skip); lower the lr or "
+               "enable clipping (optim.grad_clip)")
+    where = f"{start_step}-{cfg.trainer.max_steps - 1}, 0-based"
+    if skipped == steps:
+        return (f"no update was applied: all {steps} steps of this run ({where}) were skipped, so the weights "
+                f"are the ones it started from; {why}. summary.json records skipped_steps.")
+    return (f"{skipped} of {steps} steps ({100 * skipped / steps:.0f}%) skipped their update, more than "
+            f"trainer.max_skipped_share={share:g}; {why}, or raise trainer.max_skipped_share if this is "
+            "expected. summary.json records skipped_steps.")
+
+
+def say_where(summary: dict, vocab: int, eval_loss: float) -> None:
+    """The run's last lines on rank 0: the final eval against a uniform guess over the model's own
+    vocabulary, and where the record is."""
+    log.info("eval loss %.4f (uniform baseline ln %d = %.3f) | p50 step %.3fs", eval_loss, vocab, math.log(vocab),
+             summary["step_time_p50_s"] or 0)
+    log.info("metrics: %s", summary["metrics"])
+    if "weights" in summary:
+        log.info("weights: %s", summary["weights"])
+    log.info("summary: %s", os.path.join(summary["run_dir"], "summary.json"))

@@ -27,7 +27,7 @@ import socket
 import time
 from typing import Optional
 
-from zerolab.config import ConfigError
+from zerolab.errors import ConfigError
 
 log = logging.getLogger("zerolab")
 LOCK_NAME = ".lock"
@@ -36,7 +36,7 @@ LOCK_NAME = ".lock"
 class RunDirLocked(ConfigError):
     """Another live job holds the run directory; the message names it and the fix."""
 
-    same_on_every_rank = True  # rank 0 decides and shares it (zerolab.trainer.resolve_run_dir)
+    same_on_every_rank = True  # rank 0 decides and shares it (zerolab.rundir.claim)
 
 
 def job_id() -> str:

@@ -60,8 +60,7 @@ def main(out_dir: str, steps: int, cases: list[str], corpus: str) -> None:
             live_after_eval = len(getattr(trainer.strategy, "live", ()))
             per_rank = ctx.gather_objects({"memory": memory, "comm": comm, "live": live,
                                            "live_after_eval": live_after_eval})
-            trainer.metrics.close()
-            trainer.progress.close()  # its heartbeat thread uses the job's store
+            trainer.close()
             if ctx.is_main:
                 key = f"{case}/{label}"
                 save_file(weights, os.path.join(out_dir, key.replace("/", "__").replace(":", "_") + ".safetensors"))

@@ -57,8 +57,7 @@ def main(out_dir: str, steps: int, cases: list[str], corpus: str) -> None:
                 comm.append(trainer.strategy.comm.pop_step()["total"])
             weights = trainer.strategy.consolidated_state_dict()
             per_rank = ctx.gather_objects({"memory": trainer.strategy.memory(), "comm": comm})
-            trainer.metrics.close()
-            trainer.progress.close()  # its heartbeat thread uses the job's store
+            trainer.close()
             if ctx.is_main:
                 key = f"{case}/{strategy}"
                 save_file(weights, os.path.join(out_dir, key.replace("/", "__").replace(":", "_") + ".safetensors"))

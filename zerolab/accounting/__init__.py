@@ -4,12 +4,14 @@ memory ledger (zerolab/memory/) reads, below both.
   storage.py  the measured side: StorageCounter, the categories, process_memory
   terms.py    the predicted side: Prediction and its terms, and the notation they share
   shape.py    what predictions start from: ModelShape
+  saved.py    the bytes a forward saves for backward, measured (ActivationMeter)
 """
+from zerolab.accounting.saved import ActivationMeter, keep_for_backward
 from zerolab.accounting.shape import ModelShape, shape_from_params
 from zerolab.accounting.storage import CATEGORIES, MODEL_STATES, StorageCounter, process_memory
 from zerolab.accounting.terms import (GB, GIB, MIXED, NotPredicted, Prediction, Term, ceil_div, dtype_name, fmt_n,
                                       human_bytes, state_bytes)
 
-__all__ = ["CATEGORIES", "GB", "GIB", "MIXED", "MODEL_STATES", "ModelShape", "NotPredicted", "Prediction",
+__all__ = ["ActivationMeter", "keep_for_backward", "CATEGORIES", "GB", "GIB", "MIXED", "MODEL_STATES", "ModelShape", "NotPredicted", "Prediction",
            "StorageCounter", "Term", "ceil_div", "dtype_name", "fmt_n", "human_bytes", "process_memory",
            "shape_from_params", "state_bytes"]

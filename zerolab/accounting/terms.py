@@ -13,8 +13,8 @@ import math
 from dataclasses import dataclass, field
 
 from zerolab.accounting.storage import CATEGORIES, MODEL_STATES
+from zerolab.precision import MIXED, state_bytes  # noqa: F401  (what predictions are written with)
 
-MIXED = ("bf16", "fp16")  # precisions with an fp32 master copy
 GB, GIB = 1e9, 2 ** 30
 
 
@@ -46,7 +46,7 @@ class Prediction:
     terms: list = field(default_factory=list)
     notes: list = field(default_factory=list)
     why: str = ""  # why this implementation differs from the ZeRO paper's formula (set by its builder)
-    paper_stage: int = 0  # the ZeRO paper's stage it is held against (MemoryModel.memory_identity)
+    stage: int = 0  # the ZeRO stage whose formula it is held against (MemoryModel.memory_identity)
     explain_always: bool = False  # print `why` even where the figures equal the paper's (a formula says so)
 
     def add(self, category: str, nbytes: float, what: str, when: str = "backward") -> None:
@@ -81,8 +81,6 @@ def dtype_name(precision: str) -> str:
     return "fp32" if precision == "fp32" else ("fp16" if precision == "fp16" else "bf16")
 
 
-def state_bytes(precision: str) -> int:
-    return 2 if precision == "bf16_pure" else 4  # bf16_pure keeps its optimizer state in bf16
 
 
 def human_bytes(v: float) -> str:

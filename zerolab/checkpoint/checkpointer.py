@@ -27,7 +27,7 @@ SAVE_MARGIN_BYTES = 64 * 1024  # disk-full advice: room a save needs beyond the 
 
 def _on_every_rank(err: CheckpointError) -> CheckpointError:
     """Every rank raises this same error at the same point (the verdict was shared by a collective):
-    rank 0 alone prints it (zerolab.trainer.run)."""
+    rank 0 alone prints it (zerolab.job.run)."""
     err.same_on_every_rank = True
     return err
 
@@ -38,18 +38,10 @@ def checkpoint_dir(cfg, run_dir: str) -> str:
 
 
 class Checkpointer:
-    def __init__(self, cfg, ctx, run_dir: str, layout: dict, strategy=None):
-        from zerolab.config import ConfigError
-        from zerolab.strategies import REGISTRY, names_where
-
+    def __init__(self, cfg, ctx, run_dir: str, layout: dict):
         self.cfg, self.ctx, self.layout = cfg, ctx, layout
         self.dir = checkpoint_dir(cfg, run_dir)
         self.last_saved: str | None = None  # the newest checkpoint this run wrote
-        if cfg.checkpoint.every and strategy is not None and strategy.checkpoint_format == "none":
-            # Fail now, not after `every` steps of training.
-            able = [n for n in REGISTRY if n not in names_where(checkpoint_format="none")]
-            raise ConfigError(f"checkpoint.every={cfg.checkpoint.every}: strategy={cfg.strategy.name} cannot write "
-                              f"checkpoints yet; use one of {', '.join(able)}, or checkpoint.every=0")
 
     # ---- save ----------------------------------------------------------------------------------
     def save(self, step: int, strategy, schedule, sampler) -> str:
@@ -168,7 +160,7 @@ class Checkpointer:
         import safetensors
 
         import zerolab
-        from zerolab.config import to_dict
+        from zerolab.schema import to_dict
 
         cfg, pieces, shapes = self.cfg, {}, self.layout["params"]
         for r in reports:

@@ -201,6 +201,21 @@ def validate_meta(meta: dict, mpath: str, dirname: str) -> None:
         bad("optimizer_scalars", f"count {count:g} optimizer updates, more than the checkpoint's {meta['step']} steps")
     if not isinstance(meta["lr_schedule"].get("next_lr", 0.0), (int, float)):
         bad("lr_schedule", "has a non-numeric next_lr")
+    _validate_entries(meta, bad, is_int)
+    upgrade_meta(meta)
+    if meta["format_version"] >= 3:
+        want("checkpoint_format", lambda v: v in FORMATS, " or ".join(FORMATS))
+    if meta["checkpoint_format"] == "native":
+        cls = writer_class(meta)
+        if cls is None or cls.checkpoint_format != "native":
+            bad("strategy", f"is {meta['strategy']!r}, which writes no native checkpoint format this zerolab reads")
+        problem = cls.native_meta_problem(meta.get("native"))
+        if problem:
+            bad("native", f"is {meta.get('native')!r}, expected {problem}")
+
+
+def _validate_entries(meta: dict, bad, is_int) -> None:
+    """The file and piece records of meta.json: names inside the checkpoint, well-formed entries."""
     for fname, info in meta["files"].items():
         # names stay inside the checkpoint directory
         if os.path.isabs(fname) or ".." in fname.split("/") or not fname:
@@ -214,13 +229,3 @@ def validate_meta(meta: dict, mpath: str, dirname: str) -> None:
                     and is_int(pc.get("start")) and is_int(pc.get("end")) and pc["start"] <= pc["end"]
                     and pc.get("dtype") in DTYPE_NAMES):
                 bad("pieces", f"has a malformed piece of {key!r}: {pc!r}")
-    upgrade_meta(meta)
-    if meta["format_version"] >= 3:
-        want("checkpoint_format", lambda v: v in FORMATS, " or ".join(FORMATS))
-    if meta["checkpoint_format"] == "native":
-        cls = writer_class(meta)
-        if cls is None or cls.checkpoint_format != "native":
-            bad("strategy", f"is {meta['strategy']!r}, which writes no native checkpoint format this zerolab reads")
-        problem = cls.native_meta_problem(meta.get("native"))
-        if problem:
-            bad("native", f"is {meta.get('native')!r}, expected {problem}")

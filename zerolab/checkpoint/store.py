@@ -8,7 +8,7 @@ import shutil
 from typing import Callable, Optional
 
 from zerolab.atomic import atomic_write_text, fsync_dir
-from zerolab.config import ConfigError
+from zerolab.errors import ConfigError
 from zerolab.checkpoint.format import (FORMATS, LATEST, META, STEP_RE, CheckpointError, check_torch_file, read_meta,
                                        safetensors_header, sha256_file, writer_class)
 from zerolab.checkpoint.reshard import check_pieces_cover

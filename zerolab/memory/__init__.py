@@ -16,7 +16,7 @@ optimizer step (`ledger_for_run`, `check_against`).
 """
 from zerolab.accounting import (CATEGORIES, GB, GIB, MIXED, MODEL_STATES, ModelShape, NotPredicted, Prediction,
                                 StorageCounter, Term, human_bytes, process_memory, shape_from_params)
-from zerolab.memory.cli import cli_main, format_sweep, format_table, plot_sweep, sweep, sweep_predictions
+from zerolab.memory.cli import cli_main, format_sweep, format_table, plot_sweep, sweep_predictions
 from zerolab.memory.ledger import (PROCESS_KEYS, WARN_RATIO, check_against, check_peak, ledger_for_run,
                                    peak_for_run, peak_keys, process_summary)
 from zerolab.memory.peak import PARTS, Peak, logits_buffer_bytes, peak_of, predicted_peak, recompute_bytes

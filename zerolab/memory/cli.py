@@ -1,11 +1,15 @@
 """`python -m zerolab memory`: the predicted ledger of one strategy as a table (or JSON) with the
-ZeRO paper beside it, or a sweep over world sizes for every strategy, optionally plotted."""
+ZeRO paper beside it, or a sweep over world sizes for every strategy, optionally plotted; and
+`python -m zerolab optim-state`: the optimizer state per parameter the ledger's k comes from,
+measured from a real step."""
 from __future__ import annotations
 
-from zerolab.memory.paper import (format_paper, gb_figure, paper_bytes, paper_formula, paper_k, paper_k_text,
-                                  vs_paper)
+import argparse
+
 from zerolab.accounting import (GB, GIB, MODEL_STATES, ModelShape, NotPredicted, Prediction, fmt_n, human_bytes,
                                 shape_from_params)
+from zerolab.memory.paper import (format_paper, gb_figure, paper_bytes, paper_formula, paper_k, paper_k_text,
+                                  vs_paper)
 from zerolab.memory.prediction import predict, predicted_strategies, prediction_dict
 from zerolab.memory.shapes import load_model_config, optimizer_state_elements, shape_from_model_config
 from zerolab.precision import COMPUTE_BYTES
@@ -67,13 +71,6 @@ def sweep_predictions(shape: ModelShape, worlds: list[int], precision: str, opti
     return out
 
 
-def sweep(shape: ModelShape, worlds: list[int], precision: str, optim: str, bucket_mb: float = 25.0,
-          state_elements: float | None = None) -> dict[str, list[int]]:
-    """Per-rank total bytes (model states + buffers) for each strategy at each world size."""
-    return {label: [p.bytes()["total"] for p in preds] for label, preds in
-            sweep_predictions(shape, worlds, precision, optim, bucket_mb, state_elements).items()}
-
-
 def format_sweep(shape: ModelShape, worlds: list[int], preds: dict[str, list[Prediction]], precision: str,
                  optim: str) -> str:
     """Per world size, the paper's figure beside the ledger's for each implementation; then, at the
@@ -117,11 +114,7 @@ def plot_sweep(path: str, shape: ModelShape, worlds: list[int], table: dict[str,
 
 
 # ---- the CLI: python -m zerolab memory ------------------------------------------------------
-def cli_main(argv: list[str]) -> int:
-    import argparse
-    import json
-    import sys
-
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m zerolab memory",
                                 description="Predicted memory per rank by category, for any model size and strategy.")
     src = p.add_mutually_exclusive_group(required=True)
@@ -140,48 +133,99 @@ def cli_main(argv: list[str]) -> int:
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.add_argument("--sweep-world", help="comma-separated world sizes, e.g. 1,2,4,8,16,64: one line per strategy")
     p.add_argument("--plot", help="with --sweep-world: also write this PNG (GB per rank against N)")
-    args = p.parse_args(argv)
+    return p
+
+
+def _sweep(args, shape: ModelShape) -> None:
+    import json
+    import sys
+
+    try:
+        worlds = [int(w) for w in args.sweep_world.split(",") if w.strip()]
+    except ValueError:
+        raise ValueError(f"--sweep-world={args.sweep_world!r}: give integers separated by commas, e.g. 1,2,4,8")
+    if not worlds or min(worlds) < 1:
+        raise ValueError(f"--sweep-world={args.sweep_world!r}: world sizes must be >= 1")
+    preds = sweep_predictions(shape, worlds, args.precision, args.optim, args.bucket_mb)
+    table = {label: [p.bytes()["total"] for p in row] for label, row in preds.items()}
+    if args.json:
+        first = next(iter(preds.values()))[0]
+        print(json.dumps({"model": shape.name, "n_params": shape.n_params, "worlds": worlds,
+                          "precision": args.precision, "optim": args.optim, "total_bytes": table,
+                          "paper_bytes": {label: [paper_bytes(p) for p in row] for label, row in preds.items()},
+                          "paper_formula": {label: paper_formula(row[0]) for label, row in preds.items()},
+                          "paper_K": paper_k(first),
+                          "vs_paper": {label: [vs_paper(p) for p in row] for label, row in preds.items()}},
+                         indent=2))
+    else:
+        print(format_sweep(shape, worlds, preds, args.precision, args.optim))
+    if args.plot:  # files only where the user asked for them
+        plot_sweep(args.plot, shape, worlds, table, args.precision, args.optim)
+        print(f"plot: {args.plot}", file=sys.stderr if args.json else sys.stdout)
+
+
+def _one(args, shape: ModelShape) -> tuple[Prediction, Prediction | None]:
+    """The prediction for one strategy and rank, and another implementation of the same ZeRO
+    stage beside it, where the strategy names one (and it can run this precision)."""
+    if not 0 <= args.rank < args.world:
+        raise ValueError(f"--rank={args.rank} must be in [0, --world={args.world})")
+    pred = predict(shape, args.strategy, args.world, args.precision, args.optim, stage=args.stage,
+                   bucket_mb=args.bucket_mb, rank=args.rank)
+    reference = None
+    if memory_model(args.strategy).memory_reference is not None:
+        other, stage = memory_model(args.strategy).memory_reference
+        try:
+            reference = predict(shape, other, args.world, args.precision, args.optim, stage=stage,
+                                bucket_mb=args.bucket_mb, state_elements=pred.state_elements, rank=args.rank)
+        except NotPredicted:
+            pass
+    return pred, reference
+
+
+def cli_main(argv: list[str]) -> int:
+    import json
+    import sys
+
+    args = _parser().parse_args(argv)
     try:
         shape = shape_from_params(args.params) if args.params is not None else \
             shape_from_model_config(load_model_config(args.model))
         if args.sweep_world:
-            try:
-                worlds = [int(w) for w in args.sweep_world.split(",") if w.strip()]
-            except ValueError:
-                raise ValueError(f"--sweep-world={args.sweep_world!r}: give integers separated by commas, e.g. 1,2,4,8")
-            if not worlds or min(worlds) < 1:
-                raise ValueError(f"--sweep-world={args.sweep_world!r}: world sizes must be >= 1")
-            preds = sweep_predictions(shape, worlds, args.precision, args.optim, args.bucket_mb)
-            table = {label: [p.bytes()["total"] for p in row] for label, row in preds.items()}
-            if args.json:
-                first = next(iter(preds.values()))[0]
-                print(json.dumps({"model": shape.name, "n_params": shape.n_params, "worlds": worlds,
-                                  "precision": args.precision, "optim": args.optim, "total_bytes": table,
-                                  "paper_bytes": {label: [paper_bytes(p) for p in row] for label, row in preds.items()},
-                                  "paper_formula": {label: paper_formula(row[0]) for label, row in preds.items()},
-                                  "paper_K": paper_k(first),
-                                  "vs_paper": {label: [vs_paper(p) for p in row] for label, row in preds.items()}},
-                                 indent=2))
-            else:
-                print(format_sweep(shape, worlds, preds, args.precision, args.optim))
-            if args.plot:  # files only where the user asked for them
-                plot_sweep(args.plot, shape, worlds, table, args.precision, args.optim)
-                print(f"plot: {args.plot}", file=sys.stderr if args.json else sys.stdout)
+            _sweep(args, shape)
             return 0
-        if not 0 <= args.rank < args.world:
-            raise ValueError(f"--rank={args.rank} must be in [0, --world={args.world})")
-        pred = predict(shape, args.strategy, args.world, args.precision, args.optim, stage=args.stage,
-                       bucket_mb=args.bucket_mb, rank=args.rank)
-        reference = None  # another implementation of the same ZeRO stage, where the strategy names one
-        if memory_model(args.strategy).memory_reference is not None:
-            other, stage = memory_model(args.strategy).memory_reference
-            try:
-                reference = predict(shape, other, args.world, args.precision, args.optim, stage=stage,
-                                    bucket_mb=args.bucket_mb, state_elements=pred.state_elements, rank=args.rank)
-            except NotPredicted:  # it cannot run this precision
-                pass
+        pred, reference = _one(args, shape)
     except (ValueError, NotImplementedError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(json.dumps(prediction_dict(pred), indent=2) if args.json else format_table(pred, reference))
+    return 0
+
+
+def optim_state_main(argv: list[str]) -> int:
+    import torch
+
+    from zerolab.config import compose
+    from zerolab.models import build_model, lm_loss, param_groups
+    from zerolab.optim import measure_state
+    from zerolab.schema import OPTIMIZERS
+
+    p = argparse.ArgumentParser(prog="python -m zerolab optim-state",
+                                description="optimizer state elements per parameter, measured from one real step")
+    p.add_argument("--optim", nargs="+", choices=[*OPTIMIZERS, "all"], default=["all"])
+    p.add_argument("--model", default="mlp", help="a conf/model/*.yaml name (default: mlp)")
+    a = p.parse_args(argv)
+    names = list(OPTIMIZERS) if "all" in a.optim else a.optim
+    print(f"model={a.model}: one real step (fp32 params), state counted from optimizer.state")
+    print(f"{'optimizer':14s} {'state/param':>11s} {'state bytes':>12s} {'params':>10s}")
+    for name in names:
+        cfg = compose([f"model={a.model}", f"optim={name}"])
+        torch.manual_seed(0)
+        model = build_model(cfg.model)
+        x = torch.randint(0, cfg.model.vocab_size, (2, cfg.model.block_size))
+
+        def loss_fn():
+            return lm_loss(model(x), x)
+
+        elements, nbytes, n = measure_state(cfg.optim, param_groups(model, cfg.optim.weight_decay), loss_fn)
+        print(f"{name:14s} {elements / n:11.3g} {nbytes:12,d} {n:10,d}")
     return 0

@@ -1,5 +1,5 @@
 """The ZeRO paper beside zerolab: the paper's per-rank formula for the stage a prediction is held
-against (Prediction.paper_stage, declared by each strategy), its figure, and why the ledger's
+against (Prediction.stage, declared by each strategy), its figure, and why the ledger's
 figure differs.
 
 Rajbhandari et al. 2019 (ZeRO, §5.1 and Figure 1): per rank, 2Ψ of 16-bit weights, 2Ψ of 16-bit
@@ -29,12 +29,12 @@ def paper_k_text(pred: Prediction) -> str:
 
 
 def paper_formula(pred: Prediction) -> str:
-    return PAPER_FORMULA[pred.paper_stage].format(c=COMPUTE_BYTES[pred.precision])
+    return PAPER_FORMULA[pred.stage].format(c=COMPUTE_BYTES[pred.precision])
 
 
 def paper_split(pred: Prediction) -> dict[str, float]:
     """The paper's bytes per rank by category (exact fractions of Ψ; no padding, no buffers)."""
-    stage, n, N = pred.paper_stage, pred.n_params, pred.world
+    stage, n, N = pred.stage, pred.n_params, pred.world
     c, s = COMPUTE_BYTES[pred.precision], state_bytes(pred.precision)
     div = lambda at: N if stage >= at else 1  # the stage at which a state starts being divided
     return {"params": c * n / div(3), "grads": c * n / div(2),

@@ -44,9 +44,9 @@ def predict(shape: ModelShape, strategy: str, world: int = 1, precision: str = "
         model = memory_model(strategy)
     except KeyError as e:
         raise ValueError(e.args[0]) from None
-    label, paper_stage = model.memory_identity(stage)  # raises ValueError for a stage the strategy lacks
+    label, zero_stage = model.memory_identity(stage)  # raises ValueError for a stage the strategy lacks
     k = optimizer_state_elements(optim) if state_elements is None else float(state_elements)
-    pred = Prediction(label, precision, optim, world, shape.name, shape.n_params, k, paper_stage=paper_stage)
+    pred = Prediction(label, precision, optim, world, shape.name, shape.n_params, k, stage=zero_stage)
     model.predict_memory(pred, shape, world=world, precision=precision, k=k, stage=stage, bucket_mb=bucket_mb,
                          reduce_dtype=reduce_dtype, rank=rank)
     return pred

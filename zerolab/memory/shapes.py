@@ -26,7 +26,7 @@ def load_model_config(name: str):
     """conf/model/<name>.yaml merged onto zerolab's ModelConfig (defaults and types apply)."""
     from omegaconf import OmegaConf
 
-    from zerolab.config import ModelConfig
+    from zerolab.schema import ModelConfig
 
     repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # zerolab/memory/ -> root
     conf_dir = os.path.join(repo, "conf", "model")
@@ -56,20 +56,3 @@ def optimizer_state_elements(optim: str) -> float:
             return float(state_elements_per_param(optim))
         except (NotImplementedError, KeyError, ValueError) as e:
             raise NotImplementedError(f"cannot measure the optimizer state of optim={optim}: {e}") from e
-
-
-def _measure_state_elements(optim: str) -> float:
-    from zerolab.config import OptimConfig
-    from zerolab.optim import build_optimizer
-
-    p = torch.nn.Parameter(torch.ones(4, 8))
-    try:
-        opt = build_optimizer(OptimConfig(name=optim), [{"params": [p], "weight_decay": 0.0}])
-    except NotImplementedError as e:
-        raise NotImplementedError(f"optim={optim}: build_optimizer cannot build it yet, so its state "
-                                  f"cannot be measured ({e})") from e
-    p.grad = torch.full_like(p, 0.5)
-    opt.step()
-    c = StorageCounter().add_optimizer(opt)
-    return c.bytes["optim_state"] / (p.numel() * p.element_size())
-

@@ -7,7 +7,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from zerolab.config import ModelConfig
+from zerolab.schema import ModelConfig
 from zerolab.models.gpt import GPT
 from zerolab.models.mlp import NextTokenMLP
 

@@ -10,7 +10,7 @@ from torch.utils.checkpoint import checkpoint
 
 from zerolab.accounting.saved import keep_for_backward
 from zerolab.models.recompute import checkpointed_blocks
-from zerolab.config import ModelConfig
+from zerolab.schema import ModelConfig
 
 
 class CausalSelfAttention(nn.Module):

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from zerolab.config import ModelConfig
+from zerolab.schema import ModelConfig
 
 
 class NextTokenMLP(nn.Module):

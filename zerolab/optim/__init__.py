@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from zerolab.config import OPTIMIZERS, OptimConfig
+from zerolab.schema import OPTIMIZERS, OptimConfig
 from zerolab.optim.adamw import Adam, AdamW
 from zerolab.optim.base import ZerolabOptimizer
 from zerolab.optim.lamb import Lamb

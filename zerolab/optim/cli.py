@@ -1,10 +1,9 @@
-"""`python -m zerolab lr` (batch-size LR scaling) and `python -m zerolab optim-state` (optimizer
-state per parameter, measured from a real step)."""
+"""`python -m zerolab lr`: the peak learning rate a batch-size scaling rule gives."""
 from __future__ import annotations
 
 import argparse
 
-from zerolab.config import LR_SCALING, OPTIMIZERS
+from zerolab.schema import LR_SCALING
 
 
 def lr_main(argv: list[str]) -> int:
@@ -27,33 +26,4 @@ def lr_main(argv: list[str]) -> int:
         if rule != a.rule:
             print(f"  ({rule:6s} would give {scaled_lr(a.base_lr, a.base_batch, a.batch, rule):.6g})")
     print(f"train.py: optim.lr={a.base_lr:g} optim.base_batch={a.base_batch} optim.lr_scaling={a.rule}")
-    return 0
-
-
-def optim_state_main(argv: list[str]) -> int:
-    import torch
-
-    from zerolab.config import compose
-    from zerolab.models import build_model, lm_loss, param_groups
-    from zerolab.optim import measure_state
-
-    p = argparse.ArgumentParser(prog="python -m zerolab optim-state",
-                                description="optimizer state elements per parameter, measured from one real step")
-    p.add_argument("--optim", nargs="+", choices=[*OPTIMIZERS, "all"], default=["all"])
-    p.add_argument("--model", default="mlp", help="a conf/model/*.yaml name (default: mlp)")
-    a = p.parse_args(argv)
-    names = list(OPTIMIZERS) if "all" in a.optim else a.optim
-    print(f"model={a.model}: one real step (fp32 params), state counted from optimizer.state")
-    print(f"{'optimizer':14s} {'state/param':>11s} {'state bytes':>12s} {'params':>10s}")
-    for name in names:
-        cfg = compose([f"model={a.model}", f"optim={name}"])
-        torch.manual_seed(0)
-        model = build_model(cfg.model)
-        x = torch.randint(0, cfg.model.vocab_size, (2, cfg.model.block_size))
-
-        def loss_fn():
-            return lm_loss(model(x), x)
-
-        elements, nbytes, n = measure_state(cfg.optim, param_groups(model, cfg.optim.weight_decay), loss_fn)
-        print(f"{name:14s} {elements / n:11.3g} {nbytes:12,d} {n:10,d}")
     return 0

@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
-from zerolab.config import OptimConfig
+from zerolab.schema import OptimConfig
 
 log = logging.getLogger("zerolab")
 

@@ -48,11 +48,3 @@ def per_tensor_sum_sq(flat: torch.Tensor, segments: list[Segment], n_tensors: in
     for s in segments:
         out[s.tensor] += upcast(flat[s.start:s.end]).pow(2).sum()
     return out
-
-
-def expand_per_tensor(values: torch.Tensor, segments: list[Segment], numel: int) -> torch.Tensor:
-    """A flat tensor holding values[tensor] at every element of that tensor's segments (padding 0)."""
-    out = torch.zeros(numel, dtype=values.dtype, device=values.device)
-    for s in segments:
-        out[s.start:s.end] = values[s.tensor]
-    return out

@@ -17,7 +17,32 @@ from zerolab.report.runs import (Run, compute_stats, find_run_dirs, label_runs, 
 from zerolab.report.tables import machine_line, memory_table, parity_table, peak_table, summary_table, timing_table
 
 
-def build_report(paths: list[str], out: str, baseline: Optional[str] = None, wandb_mode: str = "disabled") -> dict:
+# What each section of report.md says before its table.
+INTRO = ("Step times exclude the first step; p50 ÷ base is the median step time over the baseline's, "
+         "with its 95 % bootstrap interval (~: within noise). Memory is the measured model states on rank 0 (the "
+         "predicted ledger in brackets, when the run logged one). Comm is bytes sent by rank 0 per step, ring-cost "
+         "model, against 2Ψ(N−1)/N × gradient bytes.\n")
+PARITY = ("Function space first: every run evaluated the same fixed held-out batches at the end "
+          "(zerolab.digest); Δeval-loss is the largest per-batch loss difference, max abs Δlogit the "
+          "largest logit difference (in brackets: relative to the baseline's largest logit). Then the "
+          "final weights: max rel Δparam = max over tensors of max|Δ| / max|baseline|, over elements whose "
+          "gradient fp32 can resolve. Elements whose gradient is at rounding-noise level (found by each "
+          "run's float64/fp32 gradient probe, e.g. the key third of attn.qkv.bias, whose true gradient is "
+          "zero) drift apart under any change of summation order: they are listed apart, with their Δ, and "
+          "do not decide the verdict. Tolerances: fp32 1e-4 (function) / 1e-5 (weights); 16-bit loosely.\n")
+TIMING = ("Ratio of p50 step times with a 95 % bootstrap interval (resampling rounds, then steps within "
+          "them; seeded, so the same data gives the same verdict). \"within noise\" unless the interval "
+          "excludes 1.0. With one round the interval holds only the spread between steps of each run, "
+          "not a change of the machine's load between runs: run the sweep with hydra.launcher.rounds=2 "
+          "(or more) to pool rounds in alternating order.\n")
+PEAK = ("Measured: the model states the strategy holds + the activations saved for backward (measured) + the "
+        "transients of the same moment (the loss's logits buffers, a recomputed block with checkpointing, the "
+        "buffers the strategy recorded); predicted: the planner's composition for the run (zerolab/memory/peak.py).\n")
+
+
+def load_runs(paths: list[str], baseline: Optional[str] = None) -> tuple[list[Run], Run, dict]:
+    """The runs under `paths` (rounds of one job merged), their statistics, the baseline they
+    are measured against (--baseline, else the reference strategy's run) and the sweep's load."""
     dirs = find_run_dirs(paths)
     if not dirs:
         raise FileNotFoundError(f"no run directories (with metrics.jsonl) under {', '.join(paths)}")
@@ -38,44 +63,27 @@ def build_report(paths: list[str], out: str, baseline: Optional[str] = None, wan
         base = next((r for r in runs if getattr(strategy_class(r.strategy), "reference", False)), runs[0])
     for r in runs:
         r.stats["timing"] = bootstrap_ratio(r.stats["rounds"], base.stats["rounds"])
+    return runs, base, loads
+
+
+def build_report(paths: list[str], out: str, baseline: Optional[str] = None, wandb_mode: str = "disabled") -> dict:
+    runs, base, loads = load_runs(paths, baseline)
     par = {r.label: ({"status": "baseline"} if r is base else parity(r, base)) for r in runs}
     out_dir = Path(out)
     out_dir.mkdir(parents=True, exist_ok=True)
     figures = {"loss": plot_loss(runs, base, out_dir), "loss_diff": plot_loss_diff(runs, base, out_dir),
                "memory": plot_memory(runs, out_dir), "step_time": plot_step_time(runs, base, out_dir),
                "comm": plot_comm(runs, out_dir)}
-    table, ptable, mtable = summary_table(runs, base, par), parity_table(runs, base, par), memory_table(runs)
-    ttable, machine = timing_table(runs, base), machine_line(runs, loads)
+    table, machine = summary_table(runs, base, par), machine_line(runs, loads)
     b = base.summary
     conditions = (f"{b.get('model', '?')} ({b.get('n_params', '?')} params), world {base.world}, "
                   f"global batch {b.get('global_batch', '?')}, {b.get('steps', '?')} steps, "
                   f"optimizer {b.get('optimizer', '?')}; baseline: {base.label}")
-    md = [f"# Strategy comparison\n\n{conditions}\n\n{machine}\n",
-          "Step times exclude the first step; p50 ÷ base is the median step time over the baseline's, "
-          "with its 95 % bootstrap interval (~: within noise). Memory is the measured model states on rank 0 (the predicted "
-          "ledger in brackets, when the run logged one). Comm is bytes sent by rank 0 per step, ring-cost "
-          "model, against 2Ψ(N−1)/N × gradient bytes.\n", table,
-          "\n## Parity\n",
-          "Function space first: every run evaluated the same fixed held-out batches at the end "
-          "(zerolab.digest); Δeval-loss is the largest per-batch loss difference, max abs Δlogit the "
-          "largest logit difference (in brackets: relative to the baseline's largest logit). Then the "
-          "final weights: max rel Δparam = max over tensors of max|Δ| / max|baseline|, over elements whose "
-          "gradient fp32 can resolve. Elements whose gradient is at rounding-noise level (found by each "
-          "run's float64/fp32 gradient probe, e.g. the key third of attn.qkv.bias, whose true gradient is "
-          "zero) drift apart under any change of summation order: they are listed apart, with their Δ, and "
-          "do not decide the verdict. Tolerances: fp32 1e-4 (function) / 1e-5 (weights); 16-bit loosely.\n",
-          ptable, "\n## Step time against the baseline\n",
-          "Ratio of p50 step times with a 95 % bootstrap interval (resampling rounds, then steps within "
-          "them; seeded, so the same data gives the same verdict). \"within noise\" unless the interval "
-          "excludes 1.0. With one round the interval holds only the spread between steps of each run, "
-          "not a change of the machine's load between runs: run the sweep with hydra.launcher.rounds=2 "
-          "(or more) to pool rounds in alternating order.\n", ttable,
-          "\n## Memory per rank (MiB)\n", mtable,
-          "\n## Peak memory of a step per rank (MiB)\n",
-          "Measured: the model states the strategy holds + the activations saved for backward (measured) + the "
-          "transients of the same moment (the loss's logits buffers, a recomputed block with checkpointing, the "
-          "buffers the strategy recorded); predicted: the planner's composition for the run (zerolab/memory/peak.py).\n",
-          peak_table(runs), "\n## Figures\n"]
+    md = [f"# Strategy comparison\n\n{conditions}\n\n{machine}\n", INTRO, table,
+          "\n## Parity\n", PARITY, parity_table(runs, base, par),
+          "\n## Step time against the baseline\n", TIMING, timing_table(runs, base),
+          "\n## Memory per rank (MiB)\n", memory_table(runs),
+          "\n## Peak memory of a step per rank (MiB)\n", PEAK, peak_table(runs), "\n## Figures\n"]
     md += [f"![{k}]({p.name})" for k, p in figures.items()]
     md += ["\n## Runs\n"] + [f"- {r.label}: `{r.path}`" + "".join(f", `{x.path}`" for x in r.repeats) for r in runs]
     (out_dir / "report.md").write_text("\n".join(md) + "\n")
@@ -87,6 +95,7 @@ def build_report(paths: list[str], out: str, baseline: Optional[str] = None, wan
     if wandb_mode != "disabled":
         log_to_wandb(runs, result, wandb_mode, paths)
     return result
+
 
 def log_to_wandb(runs: list[Run], result: dict, mode: str, paths: list[str]) -> None:
     """The report's figures and tables as one wandb run in the sweep's group (job_type=report)."""

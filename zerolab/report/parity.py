@@ -57,26 +57,14 @@ def known_cause(run: Run, base: Run) -> str:
     return ""
 
 
-def parity(run: Run, base: Run) -> dict:
-    """Function space first (Δ of the fixed held-out logits and losses), then the final weights:
-    max |Δ| and max relative |Δ| (per tensor: max|Δ| / max|base|) over elements whose gradient is
-    not at rounding-noise level; those are shown apart (see zerolab.digest)."""
+def weight_deltas(a: dict, b: dict, noise: dict) -> tuple[dict, list[dict]]:
+    """Per tensor, max |Δ| and max |Δ| / max |b| over the elements outside `noise` ({tensor:
+    indices} at rounding-noise level), and a row for each tensor with noise-level elements."""
     import torch
 
-    a, b = _load(run.path / "model.safetensors"), _load(base.path / "model.safetensors")
-    if a is None or b is None:
-        return {"status": "no weights"}
-    if a.keys() != b.keys():
-        return {"status": "MISMATCH", "detail": f"different tensors: {sorted(a.keys() ^ b.keys())[:5]}",
-                "max_abs": float("inf"), "max_rel": float("inf"), "worst": "", "tol": 0.0}
-    na, nb = noise_elements(run), noise_elements(base)
-    noise = {k: torch.unique(torch.cat([x[k] for x in (na, nb) if x and k in x])) for k in {*(na or {}), *(nb or {})}}
-    worst, max_abs, max_rel, rel_by, noise_rows = "", 0.0, 0.0, {}, []
+    deltas, noise_rows = {}, []
     for k in a:
         x, y = a[k].double().flatten(), b[k].double().flatten()
-        if a[k].shape != b[k].shape:
-            return {"status": "MISMATCH", "detail": f"{k}: shape {tuple(a[k].shape)} vs {tuple(b[k].shape)}",
-                    "max_abs": float("inf"), "max_rel": float("inf"), "worst": k, "tol": 0.0}
         diff = (x - y).abs()
         scale = max(y.abs().max().item(), 1e-12)
         if k in noise:
@@ -87,36 +75,60 @@ def parity(run: Run, base: Run) -> dict:
             keep[idx] = False
             diff = diff[keep]
         d = diff.max().item() if diff.numel() else 0.0
-        rel_by[k] = d / scale
-        max_abs = max(max_abs, d)
-        if rel_by[k] > max_rel or not worst:
-            worst, max_rel = k, rel_by[k]
+        deltas[k] = (d, d / scale)
+    return deltas, noise_rows
+
+
+def parity(run: Run, base: Run) -> dict:
+    """Function space first (Δ of the fixed held-out logits and losses), then the final weights:
+    max |Δ| and max relative |Δ| (per tensor: max|Δ| / max|base|) over elements whose gradient is
+    not at rounding-noise level; those are shown apart (see zerolab.digest)."""
+    import torch
+
+    a, b = _load(run.path / "model.safetensors"), _load(base.path / "model.safetensors")
+    if a is None or b is None:
+        return {"status": "no weights"}
+    bad = {"status": "MISMATCH", "max_abs": float("inf"), "max_rel": float("inf"), "tol": 0.0}
+    if a.keys() != b.keys():
+        return {**bad, "detail": f"different tensors: {sorted(a.keys() ^ b.keys())[:5]}", "worst": ""}
+    for k in a:
+        if a[k].shape != b[k].shape:
+            return {**bad, "detail": f"{k}: shape {tuple(a[k].shape)} vs {tuple(b[k].shape)}", "worst": k}
+    na, nb = noise_elements(run), noise_elements(base)
+    noise = {k: torch.unique(torch.cat([x[k] for x in (na, nb) if x and k in x])) for k in {*(na or {}), *(nb or {})}}
+    deltas, noise_rows = weight_deltas(a, b, noise)
+    rel_by = {k: rel for k, (_, rel) in deltas.items()}
+    worst = max(rel_by, key=rel_by.get)
     same_prec = run.precision == base.precision
     tol = TOLERANCE.get(run.precision, 1e-5) if same_prec else float("nan")
     ftol = FUNCTION_TOLERANCE.get(run.precision, 1e-4) if same_prec else float("nan")
     fn = function_parity(run, base)
-    out = {"max_abs": max_abs, "max_rel": max_rel, "worst": worst, "tol": tol, "function_tol": ftol,
-           "noise_level": noise_rows, "noise_probe": na is not None or nb is not None, **(fn or {})}
+    out = {"max_abs": max(d for d, _ in deltas.values()), "max_rel": rel_by[worst], "worst": worst, "tol": tol,
+           "function_tol": ftol, "noise_level": noise_rows, "noise_probe": na is not None or nb is not None,
+           **(fn or {})}
     same = [(run.summary.get(k), base.summary.get(k)) for k in ("steps", "global_batch", "model", "optimizer")]
     if not same_prec:
-        out["status"] = "n/a (precision differs)"
-        return out
+        return {**out, "status": "n/a (precision differs)"}
     if any(x != y for x, y in same):
-        out["status"] = "n/a (steps/batch/model/optimizer differ)"
-        return out
+        return {**out, "status": "n/a (steps/batch/model/optimizer differ)"}
+    return {**out, **verdict(run, base, rel_by, tol, fn, ftol)}
+
+
+def verdict(run: Run, base: Run, rel_by: dict, tol: float, fn: Optional[dict], ftol: float) -> dict:
+    """match or MISMATCH, and for a mismatch what is off and any known cause."""
     off = sorted((k for k, r in rel_by.items() if r > tol), key=lambda k: -rel_by[k])
     fn_off = fn is not None and fn["rel_dlogit"] > ftol
-    out["status"] = "MISMATCH" if off or fn_off else "match"
-    if out["status"] == "MISMATCH":
-        what = []
-        if fn is not None:
-            what.append(f"function: max |Δlogit| {fn['max_dlogit']:.2e} ({fn['rel_dlogit']:.1e} of the logit "
-                        f"scale), Δeval-loss {fn['d_eval_loss']:.2e}" + ("" if fn_off else " (within tolerance)"))
-        if off:
-            what.append(f"{len(off)} tensor(s) above {tol:.0e}: " +
-                        ", ".join(f"{k} {rel_by[k]:.1e}" for k in off[:3]) + (" ..." if len(off) > 3 else ""))
-        cause = known_cause(run, base)
-        out["detail"] = "; ".join(what)
-        if cause:
-            out["cause"] = cause
+    if not (off or fn_off):
+        return {"status": "match"}
+    what = []
+    if fn is not None:
+        what.append(f"function: max |Δlogit| {fn['max_dlogit']:.2e} ({fn['rel_dlogit']:.1e} of the logit "
+                    f"scale), Δeval-loss {fn['d_eval_loss']:.2e}" + ("" if fn_off else " (within tolerance)"))
+    if off:
+        what.append(f"{len(off)} tensor(s) above {tol:.0e}: " +
+                    ", ".join(f"{k} {rel_by[k]:.1e}" for k in off[:3]) + (" ..." if len(off) > 3 else ""))
+    out = {"status": "MISMATCH", "detail": "; ".join(what)}
+    cause = known_cause(run, base)
+    if cause:
+        out["cause"] = cause
     return out

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from zerolab.comm import theory_bytes_per_step
 from zerolab.accounting import CATEGORIES
+from zerolab.memory.peak import PARTS as PEAK_PARTS  # the split the trainer logs as mem/peak_<part>_bytes
 from zerolab.precision import COMPUTE_BYTES as GRAD_BYTES  # gradients travel in the compute dtype
 from zerolab.stats import percentile
 
@@ -136,7 +137,6 @@ def _rank_figures(run: Run, prefix: str) -> list[dict[str, float]]:
     return []
 
 
-PEAK_PARTS = ("model_states", "activations", "transient")
 
 
 def _rank_peaks(run: Run, prefix: str) -> list[dict[str, float]]:

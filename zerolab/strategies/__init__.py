@@ -57,37 +57,3 @@ def reference_strategy() -> str:
     if len(found) != 1:
         raise RuntimeError(f"exactly one strategy must declare reference = True, found {found}")
     return found[0]
-
-
-# Settings outside strategy.* that only some strategies honour; with every strategy.* key but
-# `name`, these are what Strategy.uses chooses from.
-STRATEGY_DEPENDENT = ("trainer.nonfinite",)
-
-
-def _default(section_obj, field_name: str):
-    import dataclasses
-
-    f = next(f for f in dataclasses.fields(section_obj) if f.name == field_name)
-    return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
-
-
-def unused_settings(cfg) -> list[tuple[str, object, object]]:
-    """(key, value, default) of every strategy-dependent setting whose value differs from its
-    schema default (so someone set it: the command line, a config group or an experiment) while
-    the chosen strategy does not read it (not in its class's `uses`): torchtitan's rule, a set
-    value that has no effect is worth a warning. A value equal to the default is no sign that
-    anyone set it, and changes nothing either way."""
-    import dataclasses
-
-    cls = strategy_class(cfg.strategy.name)
-    keys = [f"strategy.{f.name}" for f in dataclasses.fields(cfg.strategy) if f.name != "name"]
-    found = []
-    for key in [*keys, *STRATEGY_DEPENDENT]:
-        if key in cls.uses:
-            continue
-        section, name = key.rsplit(".", 1)
-        obj = getattr(cfg, section)
-        value, default = getattr(obj, name), _default(obj, name)
-        if value != default:
-            found.append((key, value, default))
-    return found

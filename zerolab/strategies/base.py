@@ -19,9 +19,9 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from zerolab.comm import CommCounter
-from zerolab.config import Config
+from zerolab.schema import Config
 from zerolab.dist import DistContext
-from zerolab.errors import ZerolabError
+from zerolab.errors import ConfigError, ZerolabError
 from zerolab.precision import Precision, clip_coefficient, grad_norm_sq
 from zerolab.strategies.memory_protocol import MemoryModel
 from zerolab.strategies.transient import TransientPeak
@@ -76,17 +76,19 @@ class Strategy(MemoryModel, TransientPeak, abc.ABC):  # predict_memory; transien
     # zerolab's own ZeRO implementation (as opposed to a borrowed library's): bench/zero.py times
     # these against the reference by default.
     zerolab_sharder: bool = False
-    # Settings (dotted config keys) this strategy reads among those that only some strategies
-    # read: every strategy.* key but `name`, and STRATEGY_DEPENDENT. Validation warns when one it
-    # does not read is set away from its default (zerolab.strategies.unused_settings).
-    uses: frozenset = frozenset({"trainer.nonfinite"})  # unscale_clip_update honours it
+    # Settings (dotted config keys) this strategy reads among those whose schema field says the
+    # strategy decides (schema.setting(applies=BY_STRATEGY): every strategy.* key but `name`, and a
+    # few more). Validation warns when one it does not read is set away from its default
+    # (zerolab.config.unused_settings). The base reads what unscale_clip_update honours and what
+    # zerolab's own optimizers take (their kernel, the per-layer statistics they record).
+    uses: frozenset = frozenset({"trainer.nonfinite", "optim.impl", "logging.layer_stats_every"})
     # How it checkpoints:
     #   "pieces": zerolab's name-keyed, reshardable pieces (checkpoint_state / load_checkpoint_state);
     #             a checkpoint of N ranks of one such strategy loads into M ranks of any other.
     #   "native": its own files (save_native / native_meta / load_native, and the classmethods
     #             native_meta_problem / check_native_compatible / native_weights, plus
     #             checkpoint_globals for its torch.save files); loads only into itself.
-    #   "none":   cannot checkpoint (checkpoint.every is refused at setup; a preempted run stops
+    #   "none":   cannot checkpoint (checkpoint.every is refused by check_config; a preempted run stops
     #             without a checkpoint).
     checkpoint_format: str = "none"
     checkpoint_globals: tuple = ()  # "native": pickle globals its torch.save files may name
@@ -139,6 +141,23 @@ class Strategy(MemoryModel, TransientPeak, abc.ABC):  # predict_memory; transien
         self.step_count = step
 
     # ---- settings and reports ----------------------------------------------------------------
+    @classmethod
+    def reads(cls, key: str, cfg: Config) -> bool:
+        """Whether this strategy reads setting `key` under `cfg` (default: it is in `uses`)."""
+        return key in cls.uses
+
+    @classmethod
+    def check_config(cls, cfg: Config, world_size: int) -> None:
+        """Raise ConfigError for settings this strategy cannot honour; called by
+        zerolab.config.validate before any process group exists. The base refuses checkpoints
+        from a strategy that cannot write them (checkpoint_format "none")."""
+        if cfg.checkpoint.every and cls.checkpoint_format == "none":
+            from zerolab.strategies import REGISTRY, names_where
+
+            able = [n for n in REGISTRY if n not in names_where(checkpoint_format="none")]
+            raise ConfigError(f"checkpoint.every={cfg.checkpoint.every}: strategy={cfg.strategy.name} cannot write "
+                              f"checkpoints yet; use one of {', '.join(able)}, or checkpoint.every=0")
+
     @classmethod
     def label(cls, strategy_cfg: dict) -> str:
         """A run's short name in reports, from its strategy.* settings (e.g. a stage number)."""

@@ -13,7 +13,7 @@ import torch.nn as nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
-from zerolab.accounting import MIXED, StorageCounter, dtype_name
+from zerolab.accounting import MIXED, StorageCounter, dtype_name, state_bytes
 from zerolab.precision import COMPUTE_BYTES
 from zerolab.precision import MasterCopy
 from zerolab.strategies.base import OptimizerFactory, ShardPiece, StepInfo, Strategy
@@ -29,7 +29,7 @@ def _counting_allreduce(state, bucket):
 class DDPStrategy(Strategy):
     name = "ddp"
     reference = True  # nothing sharded: the baseline every other strategy is compared against
-    uses = frozenset({"strategy.bucket_mb", "strategy.find_unused_parameters", "trainer.nonfinite"})
+    uses = Strategy.uses | {"strategy.bucket_mb", "strategy.find_unused_parameters"}
     checkpoint_format = "pieces"
 
     def setup(self, model: nn.Module, param_groups: list[dict], make_optimizer: OptimizerFactory) -> nn.Module:
@@ -136,7 +136,7 @@ class DDPStrategy(Strategy):
         n, c, dt = shape.n_params, COMPUTE_BYTES[precision], dtype_name(precision)
         p.add("params", n * c, f"{dt} weights: Ψ × {c}")
         p.add("grads", n * c, f"{dt} gradients, views into DDP's all-reduce buckets: Ψ × {c}")
-        s = 4 if precision != "bf16_pure" else 2  # the optimizer updates fp32 masters, or the bf16 weights
+        s = state_bytes(precision)  # the optimizer updates fp32 masters, or the bf16 weights
         if precision in MIXED:
             p.add("master", n * 4, "fp32 master weights: Ψ × 4")
             p.add("transient", n * 4, "fp32 copies of the gradients while the optimizer steps: Ψ × 4", when="step")

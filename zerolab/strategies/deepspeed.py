@@ -27,7 +27,8 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
-from zerolab.config import ConfigError
+from zerolab.buckets import bucket_cap
+from zerolab.errors import ConfigError
 from zerolab.errors import ZerolabError
 from zerolab.accounting import ModelShape, NotPredicted, StorageCounter, ceil_div, dtype_name, fmt_n
 from zerolab.precision import COMPUTE_BYTES
@@ -68,16 +69,14 @@ def deep_merge(base: dict, extra: dict) -> dict:
     return out
 
 
+DEEPSPEED_OPTIMIZERS = ("adamw", "adam")  # DeepSpeed's own; any other optimizer is zerolab's, as a client
+
+
 def build_ds_config(cfg, world_size: int, grad_element_size: int) -> dict:
     """zerolab config -> DeepSpeed config dict (before strategy.ds_config_overrides)."""
     s, o, p, t = cfg.strategy, cfg.optim, cfg.precision, cfg.trainer
-    if s.stage not in (0, 1, 2, 3):
-        raise ConfigError(f"strategy.stage={s.stage} is not a DeepSpeed ZeRO stage; use 0, 1, 2 or 3")
-    if p.name == "bf16_pure":
-        raise ConfigError("precision=bf16_pure has no DeepSpeed equivalent (DeepSpeed always keeps fp32 "
-                          "master weights in bf16); use precision=bf16 or fp32")
     # DeepSpeed's bucket sizes are in elements, zerolab's in MB of the gradient dtype.
-    bucket = int(s.bucket_mb * 2**20 / grad_element_size)
+    bucket = bucket_cap(s.bucket_mb, grad_element_size)
     ds = {
         "train_micro_batch_size_per_gpu": cfg.data.micro_batch,
         "gradient_accumulation_steps": t.grad_accum_steps,
@@ -98,7 +97,7 @@ def build_ds_config(cfg, world_size: int, grad_element_size: int) -> dict:
         ds["fp16"] = {"enabled": True, "loss_scale": 0,  # 0 = dynamic
                       "initial_scale_power": int(round(math.log2(p.initial_scale))),
                       "loss_scale_window": p.growth_interval, "min_loss_scale": p.min_scale, "hysteresis": 1}
-    if o.name in ("adamw", "adam"):
+    if o.name in DEEPSPEED_OPTIMIZERS:
         ds["optimizer"] = {"type": "AdamW" if o.name == "adamw" else "Adam",
                            "params": {"lr": o.lr, "betas": list(o.betas), "eps": o.eps,
                                       "weight_decay": o.weight_decay, "adam_w_mode": o.name == "adamw"}}
@@ -250,9 +249,34 @@ class _CountingBackend:
 class DeepSpeedStrategy(DeepSpeedCheckpointing, Strategy):
     name = "deepspeed"
     # DeepSpeed decides a non-finite step itself (skips it under fp16, applies it otherwise), so
-    # trainer.nonfinite does nothing here; its reductions are never in fp32 by zerolab's choice.
+    # trainer.nonfinite does nothing here; its reductions are never in fp32 by zerolab's choice;
+    # its step measures no per-layer statistics.
     uses = frozenset({"strategy.stage", "strategy.bucket_mb", "strategy.overlap_comm", "strategy.client_optimizer",
                       "strategy.ds_config_overrides"})
+
+    @classmethod
+    def reads(cls, key: str, cfg) -> bool:
+        # zerolab's optimizer (and so its kernel choice) runs only as a client optimizer: DeepSpeed
+        # brings its own Adam and AdamW.
+        if key == "optim.impl":
+            return cfg.optim.name not in DEEPSPEED_OPTIMIZERS
+        return super().reads(key, cfg)
+
+    @classmethod
+    def check_config(cls, cfg, world_size: int) -> None:
+        super().check_config(cfg, world_size)
+        s, name = cfg.strategy, cfg.optim.name
+        if s.stage not in (0, 1, 2, 3):
+            raise ConfigError(f"strategy.stage={s.stage} is not a DeepSpeed ZeRO stage; use 0, 1, 2 or 3")
+        if cfg.precision.name == "bf16_pure":
+            raise ConfigError("precision=bf16_pure has no DeepSpeed equivalent (DeepSpeed always keeps fp32 "
+                              "master weights in bf16); use precision=bf16 or fp32")
+        if name in ("lamb", "lars") and not s.client_optimizer:
+            raise ConfigError(
+                f"optim={name} under strategy=deepspeed: DeepSpeed's ZeRO hands the optimizer flat "
+                "buffers, so a layer-wise trust ratio would be computed per flat group, not per layer. "
+                "Set strategy.client_optimizer=true to run it anyway (and compare parity with ddp), "
+                "or use strategy=zero1/zero2, whose LAMB/LARS keep per-tensor norms")
 
     @classmethod
     def label(cls, strategy_cfg: dict) -> str:
@@ -289,7 +313,7 @@ class DeepSpeedStrategy(DeepSpeedCheckpointing, Strategy):
         self.sharded_grads = cfg.strategy.stage >= 2
         model.to(self.ctx.device)  # DeepSpeed casts to bf16/fp16 itself
         self.names = {id(p): n for n, p in model.named_parameters()}
-        grad_bytes = torch.finfo(self.precision.compute_dtype).bits // 8
+        grad_bytes = self.precision.compute_dtype.itemsize
         ds_config = deep_merge(build_ds_config(cfg, self.ctx.world_size, grad_bytes), cfg.strategy.ds_config_overrides)
         self.ds_config = ds_config
         # "names" is zerolab's bookkeeping; keep every other group key (weight_decay, lr_scale).
@@ -297,13 +321,7 @@ class DeepSpeedStrategy(DeepSpeedCheckpointing, Strategy):
         client = None
         if "optimizer" not in ds_config:
             name = cfg.optim.name
-            if name in ("lamb", "lars"):
-                if not cfg.strategy.client_optimizer:
-                    raise ConfigError(
-                        f"optim={name} under strategy=deepspeed: DeepSpeed's ZeRO hands the optimizer flat "
-                        "buffers, so a layer-wise trust ratio would be computed per flat group, not per layer. "
-                        "Set strategy.client_optimizer=true to run it anyway (and compare parity with ddp), "
-                        "or use strategy=zero1/zero2, whose LAMB/LARS keep per-tensor norms")
+            if name in ("lamb", "lars"):  # client_optimizer=true (check_config)
                 warnings.warn(f"optim={name} as a DeepSpeed client optimizer: ZeRO flattens each param group "
                               "into one tensor, so the per-layer trust ratio becomes a per-group ratio; the "
                               "updates differ from ddp's (see the parity table of `python -m zerolab compare`)")
@@ -436,7 +454,7 @@ class DeepSpeedStrategy(DeepSpeedCheckpointing, Strategy):
             p.add("transient", part * 4, f"fp32 gradient partition, alive inside step() only: {fmt_n(part)} × 4", when="step")
             p.add("master", part * 4, f"fp32 weight partition (kept even in fp32 training): {fmt_n(part)} × 4")
             p.add("optim_state", part * k * 4, f"optimizer state of the partition: {fmt_n(part)} × {k:g} × 4")
-            p.add("transient", min(int(bucket_mb * 2 ** 20), n * c),
+            p.add("transient", min(bucket_cap(bucket_mb, c) * c, n * c),
                   f"{dt} reduce bucket during backward (reduce_bucket_size = strategy.bucket_mb)")
             p.why = (("with overlap_comm stage 1 frees the gradients outside its partition, as stage 2 does "
                       "(the paper's stage 1 keeps all of them); " if stage == 1 else "")
@@ -460,7 +478,7 @@ class DeepSpeedStrategy(DeepSpeedCheckpointing, Strategy):
         p.add("transient", part * 4, f"fp32 gradient partition, alive inside step() only: {fmt_n(part)} × 4", when="step")
         p.add("master", part * 4, f"fp32 weight partition (kept even in fp32 training): {fmt_n(part)} × 4")
         p.add("optim_state", part * k * 4, f"optimizer state of the partition: {fmt_n(part)} × {k:g} × 4")
-        p.add("transient", min(int(bucket_mb * 2 ** 20), n * c),
+        p.add("transient", min(bucket_cap(bucket_mb, c) * c, n * c),
               f"{dt} reduce bucket during backward (reduce_bucket_size = strategy.bucket_mb)")
         biggest = max(sizes)
         p.add("transient", biggest * c, "weights all-gathered for the module being computed (largest tensor)")

@@ -22,7 +22,7 @@ import torch.nn as nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from zerolab.accounting import MIXED, StorageCounter, ceil_div, dtype_name, fmt_n
+from zerolab.accounting import MIXED, StorageCounter, ceil_div, dtype_name, fmt_n, state_bytes
 from zerolab.precision import COMPUTE_BYTES
 from zerolab.strategies.base import OptimizerFactory, StepInfo, Strategy
 
@@ -38,7 +38,7 @@ class FSDPStrategy(Strategy):
     name = "fsdp"
     sharded_grads = True
     # fully_shard has no bucket size (a unit is one block) and reduces in fp32 under mixed precision.
-    uses = frozenset({"trainer.nonfinite"})
+    uses = Strategy.uses
     checkpoint_format = "none"
 
     def setup(self, model: nn.Module, param_groups: list[dict], make_optimizer: OptimizerFactory) -> nn.Module:
@@ -50,8 +50,8 @@ class FSDPStrategy(Strategy):
             model.to(self.ctx.device)  # fp32 shards; the policy casts for compute
             mp = (MixedPrecisionPolicy(param_dtype=p.compute_dtype, reduce_dtype=torch.float32)
                   if p.compute_dtype != torch.float32 else MixedPrecisionPolicy())
-        self.compute_bytes = torch.finfo(p.compute_dtype).bits // 8
-        self.reduce_bytes = 4 if p.name != "bf16_pure" else 2
+        self.compute_bytes = p.compute_dtype.itemsize
+        self.reduce_bytes = p.update_dtype.itemsize
         self.units: list[nn.Module] = list(getattr(model, "blocks", []))
         if not self.units and self.ctx.is_main:
             _log.warning("strategy=fsdp: the model (%s) has no .blocks, so it is one FSDP unit: every parameter is "
@@ -147,7 +147,7 @@ class FSDPStrategy(Strategy):
         return out if self.ctx.is_main else None
 
     # ---- memory prediction (zerolab.memory; the protocol: strategies/memory_protocol.py) ---------
-    paper_stage = 3
+    stage = 3
 
     @classmethod
     def predict_memory(cls, p, shape, *, world, precision, k, **_) -> None:
@@ -156,7 +156,7 @@ class FSDPStrategy(Strategy):
         and the compute-dtype copy exists only while a module runs."""
         c, dt, N = COMPUTE_BYTES[precision], dtype_name(precision), world
         shard = sum(ceil_div(s[0], N) * math.prod(s[1:]) for s in shape.shapes)
-        s = 2 if precision == "bf16_pure" else 4
+        s = state_bytes(precision)
         kind = "bf16" if s == 2 else "fp32"
         if precision in MIXED:
             p.add("master", shard * 4, f"fp32 sharded parameters (the optimizer's weights): {fmt_n(shard)} × 4")

@@ -13,9 +13,10 @@ if TYPE_CHECKING:
 
 class MemoryModel:
     name: str = "?"
-    # The ZeRO paper's stage (Rajbhandari et al. 2019) whose formula the prediction is printed
-    # beside: 0 plain data parallelism, 1 P_os, 2 P_os+g, 3 P_os+g+p.
-    paper_stage: int = 0
+    # The ZeRO stage (Rajbhandari et al. 2019) the strategy implements, whose formula its
+    # prediction is printed beside: 0 plain data parallelism, 1 P_os, 2 P_os+g, 3 P_os+g+p. In
+    # zerolab "stage" means this and nothing else (a DeepSpeed run sets it: strategy.stage).
+    stage: int = 0
     # The strategy.stage values `python -m zerolab memory --sweep-world` gives a row; () leaves the
     # strategy out of the sweep.
     sweep_stages: tuple[int, ...] = (0,)
@@ -27,9 +28,9 @@ class MemoryModel:
 
     @classmethod
     def memory_identity(cls, stage: int) -> tuple[str, int]:
-        """(label, ZeRO paper stage) of the prediction for strategy.stage=`stage`; a ValueError
+        """(label, ZeRO stage) of the prediction for strategy.stage=`stage`; a ValueError
         naming the fix where the strategy has no such stage."""
-        return cls.name, cls.paper_stage
+        return cls.name, cls.stage
 
     @classmethod
     def predict_memory(cls, pred: "Prediction", shape: "ModelShape", *, world: int, precision: str, k: float,

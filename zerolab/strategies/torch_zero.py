@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
-from zerolab.accounting import MIXED, StorageCounter, ceil_div, fmt_n
+from zerolab.accounting import MIXED, StorageCounter, ceil_div, fmt_n, state_bytes
 from zerolab.strategies.base import OptimizerFactory, StepInfo
 from zerolab.strategies.ddp import DDPStrategy
 
@@ -38,6 +38,8 @@ def as_class_and_groups(optimizer: torch.optim.Optimizer) -> tuple[type, dict, l
 class TorchZeroStrategy(DDPStrategy):
     name = "torch_zero"
     reference = False
+    # ZeroRedundancyOptimizer steps zerolab's optimizer class itself: no per-layer statistics.
+    uses = DDPStrategy.uses - {"logging.layer_stats_every"}
     # DDP's checkpoint methods are inherited but wrong here: the optimizer state lives on the rank
     # that owns each parameter, which DDP's rank-0-writes-all would silently drop.
     checkpoint_format = "none"
@@ -69,7 +71,7 @@ class TorchZeroStrategy(DDPStrategy):
         return c.result()
 
     # ---- memory prediction (zerolab.memory; the protocol: strategies/memory_protocol.py) ---------
-    paper_stage = 1
+    stage = 1
     sweep_stages = ()  # the sweep shows rank 0 only; this strategy's shards are uneven
     uneven_memory = True
 
@@ -78,7 +80,7 @@ class TorchZeroStrategy(DDPStrategy):
         """Only the optimizer state is sharded, by whole tensors: DDP's terms with this rank's state."""
         super().predict_memory(p, shape, precision=precision, k=k)
         owned = torch_zero_partition(shape, world)[rank]
-        s = 2 if precision == "bf16_pure" else 4
+        s = state_bytes(precision)
         p.terms = [t for t in p.terms if t.category != "optim_state"]
         p.add("optim_state", owned * k * s, f"optimizer state of the whole tensors rank {rank} owns: "
                                             f"{fmt_n(owned)} × {k:g} × {s}")

@@ -40,8 +40,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from zerolab.buckets import MAX_IN_FLIGHT, pack_buckets, zero_buckets
-from zerolab.accounting import MIXED, StorageCounter, dtype_name, fmt_n
+from zerolab.buckets import MAX_IN_FLIGHT, bucket_cap, pack_buckets, zero_buckets
+from zerolab.accounting import MIXED, StorageCounter, dtype_name, fmt_n, state_bytes
 from zerolab.optim.segments import Segment
 from zerolab.precision import COMPUTE_BYTES
 from zerolab.strategies.base import OptimizerFactory, ShardPiece, StepInfo, Strategy
@@ -75,7 +75,7 @@ class ZeroStrategy(Strategy):
     stage = 1
     sharded_grads = True
     zerolab_sharder = True
-    uses = frozenset({"strategy.bucket_mb", "strategy.reduce_dtype", "trainer.nonfinite"})
+    uses = Strategy.uses | {"strategy.bucket_mb", "strategy.reduce_dtype"}
     checkpoint_format = "pieces"
 
     # ---- setup ------------------------------------------------------------------------------
@@ -123,13 +123,13 @@ class ZeroStrategy(Strategy):
         self.reduce_dtype = torch.float32 if self.cfg.strategy.reduce_dtype == "fp32" else self.precision.compute_dtype
         # The shard the optimizer updates: fp32 master weights, except in bf16_pure, whose point
         # is to update the 16-bit weights themselves (the owned chunk, then all-gathered).
-        self.shard_dtype = self.precision.compute_dtype if self.precision.name == "bf16_pure" else torch.float32
+        self.shard_dtype = self.precision.update_dtype
 
     def _make_buckets(self, model: nn.Module, param_groups: list[dict]) -> list[Bucket]:
         order = {id(p): i for i, p in enumerate(model.parameters())}
         entries = sorted(((order[id(p)], gi, ti, p) for gi, g in enumerate(param_groups)
                           for ti, p in enumerate(g["params"])), key=lambda e: e[0])
-        cap = max(1, int(self.cfg.strategy.bucket_mb * 2**20 / self.precision.compute_dtype.itemsize))
+        cap = bucket_cap(self.cfg.strategy.bucket_mb, self.precision.compute_dtype.itemsize)
         closed = [(gi, [(entries[i][3], entries[i][2]) for i in members])
                   for gi, members in pack_buckets([(gi, p.numel()) for _, gi, _, p in entries], cap)]
         shard_pos = [0] * len(param_groups)
@@ -185,7 +185,7 @@ class ZeroStrategy(Strategy):
 
     # ---- backward: hooks, in-order launches ---------------------------------------------------
     def no_sync(self):
-        if self.stage == 2:  # zero2 reduces every micro-batch: its gradients are never whole
+        if self.stage >= 2:  # zero2 reduces every micro-batch: its gradients are never whole
             return super().no_sync()
         return self._no_sync()
 
@@ -201,7 +201,7 @@ class ZeroStrategy(Strategy):
         if not self.sync:
             return
         b = self.bucket_of[id(p)]
-        if self.stage == 2:
+        if self.stage >= 2:
             if b.comm_buf is None:
                 b.comm_buf = torch.zeros(b.size, dtype=self.reduce_dtype, device=p.device)
                 self._transient_alloc(b.comm_buf.untyped_storage().nbytes(), "backward")
@@ -407,7 +407,7 @@ class ZeroStrategy(Strategy):
         if cls.stage == 1:
             p.add("grads", padded * c, f"{dt} gradients, whole, views into per-bucket flat buffers "
                                        f"(kept between steps): {fmt_n(padded)} × {c}")
-        s = 2 if precision == "bf16_pure" else 4  # bf16_pure updates a bf16 shard: no fp32 anywhere
+        s = state_bytes(precision)  # bf16_pure updates a bf16 shard: no fp32 anywhere
         sd = "bf16" if s == 2 else "fp32"
         p.add("grads", shard * s, f"{sd} gradient shard (the owned chunks): {fmt_n(shard)} × {s}")
         p.add("master", shard * s, f"{sd} {'weight' if s == 2 else 'master'} shard the optimizer updates: "
@@ -449,9 +449,9 @@ class ZeroStrategy(Strategy):
 
 class Zero1Strategy(ZeroStrategy):
     name, stage = "zero1", 1
-    paper_stage, memory_reference = 1, ("deepspeed", 1)  # memory: the paper's stage 1, beside DeepSpeed's
+    memory_reference = ("deepspeed", 1)  # memory: beside DeepSpeed's stage 1
 
 
 class Zero2Strategy(ZeroStrategy):
     name, stage = "zero2", 2
-    paper_stage, memory_reference = 2, ("deepspeed", 2)  # memory: the paper's stage 2, beside DeepSpeed's
+    memory_reference = ("deepspeed", 2)  # memory: beside DeepSpeed's stage 2

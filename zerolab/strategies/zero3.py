@@ -73,7 +73,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from zerolab.buckets import MAX_IN_FLIGHT, bucket_cap, pack_buckets
-from zerolab.accounting import MIXED, StorageCounter, dtype_name, fmt_n
+from zerolab.accounting import MIXED, StorageCounter, dtype_name, fmt_n, state_bytes
 from zerolab.models import block_of_parameters
 from zerolab.precision import COMPUTE_BYTES
 from zerolab.strategies.base import OptimizerFactory
@@ -113,7 +113,7 @@ class Unit:
 
 
 class Zero3Strategy(ZeroStrategy):
-    name, stage = "zero3", 2  # stage 2: zero.py's gradient path (bucket copies, reduce-scatter per micro-batch)
+    name, stage = "zero3", 3  # zero.py's gradient path of stage >= 2: bucket copies, reduce-scatter per micro-batch
     uses = ZeroStrategy.uses | {"strategy.reshard_after_forward"}
     # checkpoint_format "pieces" (zero.py): the fp32 master shard and optimizer state by parameter
     # name and element range, exactly zero2's, so zero3 reshards to and from ddp/zero1/zero2.
@@ -353,7 +353,7 @@ class Zero3Strategy(ZeroStrategy):
 
 
     # ---- memory prediction (zerolab.strategies.memory_protocol) ------------------------------------
-    paper_stage, memory_reference = 3, ("deepspeed", 3)  # the paper's stage 3, beside DeepSpeed's
+    memory_reference = ("deepspeed", 3)  # memory: beside DeepSpeed's stage 3
 
     @classmethod
     def predict_memory(cls, p, shape, *, world, precision, k, bucket_mb, reduce_dtype, **_) -> None:
@@ -363,7 +363,7 @@ class Zero3Strategy(ZeroStrategy):
         tensors = [(g, math.prod(s_), shape.block_of(i) + 1) for i, (g, s_) in enumerate(shape.tensors)]
         sizes = [size for _, _, _, size in pack_units(tensors, bucket_cap(bucket_mb, c), N)]
         shard = sum(sizes) // N
-        s = 2 if precision == "bf16_pure" else 4  # bf16_pure updates a bf16 shard: no fp32 anywhere
+        s = state_bytes(precision)  # bf16_pure updates a bf16 shard: no fp32 anywhere
         rb = 4 if reduce_dtype == "fp32" else c
         gb = rb if precision in MIXED else s  # the gradient shard is kept in the reduce dtype
         p.add("params", shard * c, f"{dt} weights: this rank's chunk of every bucket, the only persistent copy: "

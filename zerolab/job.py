@@ -1,0 +1,72 @@
+"""One job of a run: validate the config, join the process group, check the data, claim the run
+directory, train, and say a failure once.
+
+Before any process group exists every rank finds the same configuration problems, and rank 0
+alone says them (zerolab.errors.exit_for). After it, a failure every rank shares is said by rank
+0 after a barrier; a collective that fails because a peer stopped names that peer
+(zerolab.fault.ProgressBoard) and ends the job at once.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+from omegaconf import DictConfig
+
+from zerolab import dist as zdist
+from zerolab import rundir
+from zerolab.checkpoint import check_resume_path
+from zerolab.config import Config, ConfigError, validate
+from zerolab.data import check_data
+from zerolab.errors import ZerolabError, report
+from zerolab.fault import RankStopped, stop_now
+from zerolab.trainer import Trainer
+
+log = logging.getLogger("zerolab")
+
+
+def run(dcfg: DictConfig | Config) -> Optional[dict]:
+    try:  # before any process group exists: every rank finds the same, and rank 0 alone says it
+        cfg = validate(dcfg)
+        check_resume_path(cfg.checkpoint.resume)
+    except ConfigError as err:
+        err.before_ranks_meet = True  # zerolab.errors.exit_for
+        raise
+    ctx = zdist.init(cfg.dist)
+    if not ctx.is_main:
+        logging.getLogger().setLevel(logging.WARNING)
+    trainer, lock = None, None
+    try:
+        # User input that would only fail later (in the first batch or the final eval) fails now,
+        # on every rank alike, before the run directory is touched.
+        zdist.agree(ctx, lambda: check_data(cfg.data, cfg.model.block_size, cfg.model.vocab_size))
+        run_dir, lock = rundir.claim(cfg, ctx)
+        try:
+            trainer = Trainer(cfg, ctx, run_dir=run_dir)
+        except BaseException:
+            # A start that fails leaves nothing behind: the directory goes if this job created it
+            # (a run.dir that existed before, with its checkpoints, is kept).
+            if lock is not None and lock.remove_created():
+                log.info("setup failed: removed %s, which this job had created", run_dir)
+            raise
+        return trainer.fit()
+    except (ConfigError, ZerolabError) as err:
+        if err.same_on_every_rank:
+            # One message, from rank 0. The other ranks leave only after it is printed: torchrun
+            # stops the whole job as soon as one rank exits, and rank 0 could lose its message.
+            report(err, quiet=not ctx.is_main)
+            ctx.barrier()
+        raise
+    except RuntimeError as err:
+        if trainer is not None:
+            try:
+                trainer.progress.blame(err)  # raises naming the rank that stopped, if one did
+            except RankStopped as named:
+                stop_now(named)
+        raise
+    finally:
+        if trainer is not None:
+            trainer.close()
+        if lock is not None:
+            lock.release()  # after the last write into the directory
+        zdist.shutdown(ctx)

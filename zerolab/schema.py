@@ -1,0 +1,394 @@
+"""zerolab's configuration schema: typed dataclasses registered in Hydra's ConfigStore, closed.
+
+Hydra already rejects wrongly typed values, and unknown keys given without `+`, because every
+group merges into one of these dataclasses. The schema is closed: `check_keys` refuses a key
+that is not a field of these dataclasses however it got in (`+key=...` adds keys to a struct
+config), and `check_overrides` refuses one on the command line before Hydra runs, so the
+message can suggest the nearest valid key instead of Hydra's advice to append it with `+`.
+
+A field that has an effect only for some setups says so where it is declared:
+`setting(default, applies=...)`, with `applies` either BY_STRATEGY (the chosen strategy's class
+decides: Strategy.uses / Strategy.reads) or (key, values) (only when config key `key` has one of
+`values`). zerolab.config.validate warns, once, about a value set away from its default that
+has no effect for the chosen setup. The value checks themselves are zerolab.config.validate's.
+
+This module is at the bottom of zerolab's layers: everything reads it, it reads only
+zerolab.errors. (A strategy that needs a setting of its own adds a field to StrategyConfig here,
+marked BY_STRATEGY, and lists it in its class's `uses`.)
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Dict, Iterable, List, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING, DictConfig, OmegaConf
+
+from zerolab.errors import ConfigError
+
+BY_STRATEGY = "by strategy"  # `applies=`: the chosen strategy's class says whether it reads the key
+
+
+def setting(default: Any = MISSING, *, applies=None, factory=None):
+    """A schema field, with when it has an effect (`applies`: BY_STRATEGY, or (key, values))."""
+    metadata = {"applies": applies}
+    if factory is not None:
+        return field(default_factory=factory, metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
+def _only(key: str, *values: str) -> tuple[str, tuple[str, ...]]:
+    return key, values
+
+
+GPT = _only("model.kind", "gpt")
+FP16 = _only("precision.name", "fp16")
+
+
+@dataclass
+class ModelConfig:
+    name: str = MISSING  # label used in logs, e.g. gpt_tiny
+    kind: str = "gpt"  # gpt | mlp
+    vocab_size: int = 256
+    block_size: int = 64
+    # gpt
+    n_layer: int = setting(2, applies=GPT)
+    n_head: int = setting(2, applies=GPT)
+    n_embd: int = setting(64, applies=GPT)
+    bias: bool = setting(True, applies=GPT)
+    dropout: float = setting(0.0, applies=GPT)
+    # Activation checkpointing of GPT blocks (torch's non-reentrant checkpoint, RNG preserved):
+    # none | blocks (every block) | every_k (blocks 0, k, 2k, ...: one block in k recomputes)
+    activation_checkpointing: str = setting("none", applies=GPT)
+    checkpoint_every_k: int = setting(2, applies=_only("model.activation_checkpointing", "every_k"))
+    # mlp: embedding -> `mlp_depth` hidden layers of width `mlp_hidden` -> logits
+    mlp_hidden: int = setting(128, applies=_only("model.kind", "mlp"))
+    mlp_depth: int = setting(2, applies=_only("model.kind", "mlp"))
+
+
+@dataclass
+class DataConfig:
+    kind: str = "text"  # text | synthetic
+    # A token file from `python -m zerolab data prepare` (its tail is the validation split), or a
+    # directory holding train.bin and val.bin (nanoGPT's layout); uint16 unless the file's sidecar
+    # `<file>.json` says uint32 (docs/data.md). Empty: the embedded corpus (the running
+    # interpreter's standard-library sources, byte-level), prepared once into `cache_dir`.
+    path: str = ""
+    cache_dir: str = "${oc.env:ZEROLAB_CACHE,${oc.env:HOME}/.cache/zerolab}"
+    val_fraction: float = 0.05  # a single token file's tail kept for validation (not used for a directory)
+    micro_batch: int = 8  # sequences per rank per micro-batch
+    # 0: derived as micro_batch * grad_accum_steps * world_size. Set it to fix the global batch
+    # and let zerolab derive grad_accum_steps (must divide exactly).
+    global_batch: int = 0
+
+
+@dataclass
+class StrategyConfig:
+    name: str = MISSING  # a key of zerolab.strategies.REGISTRY
+    # Each key is read by the strategies whose class lists it in `uses` (BY_STRATEGY).
+    bucket_mb: float = setting(25.0, applies=BY_STRATEGY)  # DDP bucket cap / ZeRO reduce-scatter and all-gather bucket size
+    find_unused_parameters: bool = setting(False, applies=BY_STRATEGY)  # ddp: parameters that may get no gradient
+    stage: int = setting(0, applies=BY_STRATEGY)  # deepspeed: its ZeRO stage (0-3)
+    overlap_comm: bool = setting(True, applies=BY_STRATEGY)  # deepspeed: overlap its reductions with backward
+    client_optimizer: bool = setting(False, applies=BY_STRATEGY)  # deepspeed: allow zerolab's LAMB/LARS as a client optimizer
+    # deepspeed: merged into its JSON config
+    ds_config_overrides: Dict[str, Any] = setting(applies=BY_STRATEGY, factory=dict)
+    # zero1/2/3: the dtype gradients are reduce-scattered in. auto (= gradient dtype) | fp32; zero3
+    # also keeps its gradient shard in it (16-bit under bf16/fp16 with auto)
+    reduce_dtype: str = setting("auto", applies=BY_STRATEGY)
+    # zero3: free a unit's all-gathered weights after its forward and gather them again for its
+    # backward (3Ψ(N-1)/N sent per rank per micro-batch, one unit's weights alive at a time);
+    # false keeps them from forward until the unit's backward is done (2Ψ(N-1)/N, more memory).
+    reshard_after_forward: bool = setting(True, applies=BY_STRATEGY)
+
+
+@dataclass
+class OptimConfig:
+    name: str = MISSING  # adamw | adam | sgd | sgd_momentum | lamb | lars
+    lr: float = 1e-3  # peak lr at base_batch (scaled by lr_scaling for the actual batch)
+    betas: List[float] = setting(applies=_only("optim.name", "adamw", "adam", "lamb"), factory=lambda: [0.9, 0.95])
+    eps: float = setting(1e-8, applies=_only("optim.name", "adamw", "adam", "lamb", "lars"))
+    weight_decay: float = 0.1
+    momentum: float = setting(0.9, applies=_only("optim.name", "sgd_momentum", "lars"))
+    trust_coefficient: float = setting(0.001, applies=_only("optim.name", "lars"))
+    max_trust_ratio: Optional[float] = setting(None, applies=_only("optim.name", "lamb", "lars"))
+    grad_clip: float = 1.0  # global-norm clip; 0 disables
+    # zerolab optimizer kernel: auto (fused AdamW/Adam/SGD on CPU fp32, else foreach) | foreach | for_loop
+    impl: str = setting("auto", applies=BY_STRATEGY)  # (DeepSpeed's own Adam/AdamW has its own kernel)
+    lr_scaling: str = "none"  # none | linear | sqrt
+    # batch at which `lr` was tuned (0: the run's own global batch)
+    base_batch: int = setting(0, applies=_only("optim.lr_scaling", "linear", "sqrt"))
+    warmup_steps: int = 10
+    decay: str = "cosine"  # cosine | linear | constant
+    min_lr_ratio: float = setting(0.1, applies=_only("optim.decay", "cosine", "linear"))
+
+
+@dataclass
+class PrecisionConfig:
+    name: str = MISSING  # fp32 | bf16 | fp16 | bf16_pure
+    initial_scale: float = setting(65536.0, applies=FP16)  # fp16 dynamic loss scaling
+    growth_interval: int = setting(1000, applies=FP16)
+    min_scale: float = setting(1.0, applies=FP16)
+
+
+@dataclass
+class TrainerConfig:
+    max_steps: int = 100
+    grad_accum_steps: int = 1
+    seed: int = 1337
+    eval_every: int = 50  # 0: only at the end
+    eval_batches: int = 4
+    log_every: int = 1
+    nonfinite: str = setting("stop", applies=BY_STRATEGY)  # stop | skip (DeepSpeed decides non-finite steps itself)
+    # A run that skipped more than this share of its steps (fp16 overflows, trainer.nonfinite=skip)
+    # fails after writing summary.json; one that applied no update at all always fails. 1: only that.
+    max_skipped_share: float = 0.5
+
+
+@dataclass
+class WandbConfig:
+    mode: str = "auto"  # auto (online with WANDB_API_KEY, else offline) | online | offline | disabled
+    project: str = "zerolab"
+    entity: str = ""
+
+
+@dataclass
+class LoggingConfig:
+    progress: bool = True
+    # per-layer update/weight ratios every N steps (0: never); zerolab's optimizers record them
+    layer_stats_every: int = setting(0, applies=BY_STRATEGY)
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+
+
+@dataclass
+class DistConfig:
+    backend: str = "auto"  # auto (nccl on CUDA, gloo on CPU) | nccl | gloo
+    device: str = "auto"  # auto | cpu | cuda
+    timeout_s: float = 300.0  # a collective waiting longer than this ends the job
+
+
+@dataclass
+class RunConfig:
+    dir: str = ""  # empty: rank 0 creates <root>/<experiment>/<time>-<strategy> and shares it
+    root: str = "runs"
+    save_model: bool = True
+    # A fresh start in a run.dir that holds a run's record (metrics, results, checkpoints) is
+    # refused (zerolab/record.py); true removes that record first, naming what it removes.
+    overwrite: bool = False
+
+
+@dataclass
+class CheckpointConfig:
+    every: int = 0  # save every N optimizer steps (0: never)
+    keep_last: int = 2
+    dir: str = ""  # empty: <run dir>/checkpoints
+    resume: str = ""  # "" (fresh start) | auto (newest good checkpoint, if any) | PATH
+
+
+@dataclass
+class FaultConfig:
+    """Deliberate failures, for testing recovery paths. All off by default."""
+    kill_rank: int = -1  # rank that fails ...
+    at_step: int = -1  # ... when it reaches this step
+    mode: str = "exit"  # exit (os._exit) | raise | hang (before at_step) | stop (SIGSTOP inside at_step)
+    # mode=stop: forward | backward | optimizer. mode=exit with phase=record_cut: rank 0 exits
+    # while a resume cuts metrics.jsonl back (between writing the kept prefix and its rename)
+    phase: str = "backward"
+    inf_grad_step: int = -1  # put an inf into one gradient at this step (loss-scaling tests)
+    inf_grad_rank: int = 0
+
+
+@dataclass
+class Config:
+    model: ModelConfig = MISSING
+    data: DataConfig = MISSING
+    strategy: StrategyConfig = MISSING
+    optim: OptimConfig = MISSING
+    precision: PrecisionConfig = MISSING
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    dist: DistConfig = field(default_factory=DistConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    fault: FaultConfig = field(default_factory=FaultConfig)
+    experiment: str = "default"
+
+
+def register_configs() -> None:
+    ConfigStore.instance().store(name="zerolab_schema", node=Config)
+
+
+register_configs()
+
+MODEL_KINDS = ("gpt", "mlp")
+DATA_KINDS = ("text", "synthetic")
+OPTIMIZERS = ("adamw", "adam", "sgd", "sgd_momentum", "lamb", "lars")
+PRECISIONS = ("fp32", "bf16", "fp16", "bf16_pure")
+LR_SCALING = ("none", "linear", "sqrt")
+DECAYS = ("cosine", "linear", "constant")
+WANDB_MODES = ("auto", "online", "offline", "disabled")
+FAULT_MODES = ("exit", "raise", "hang", "stop")
+FAULT_PHASES = ("forward", "backward", "optimizer")  # fault.mode=stop
+RECORD_CUT = "record_cut"  # fault.mode=exit: inside the resume's cut of metrics.jsonl (zerolab.record)
+
+
+def _choice(key: str, value: Any, allowed) -> None:
+    if value not in allowed:
+        raise ConfigError(f"{key}={value!r} is not valid; allowed values: {', '.join(map(str, allowed))}")
+
+
+def _positive(key: str, value, allow_zero: bool = False) -> None:
+    if value < 0 or (value == 0 and not allow_zero):
+        raise ConfigError(f"{key}={value!r} must be {'>= 0' if allow_zero else '> 0'}")
+
+
+
+def world_size_from_env() -> int:
+    for var in ("WORLD_SIZE", "SLURM_NTASKS"):
+        if os.environ.get(var):
+            return int(os.environ[var])
+    return 1
+
+
+# ---- the closed schema -----------------------------------------------------------------------
+def _schema(cls=Config, prefix: str = "") -> dict[str, Any]:
+    """Every dotted key of the schema -> its dataclass (a section), FREE (a free-form dict such as
+    strategy.ds_config_overrides, whose keys are DeepSpeed's) or None (a value)."""
+    keys: dict[str, Any] = {}
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        key, kind = prefix + f.name, hints[f.name]
+        if dataclasses.is_dataclass(kind):
+            keys[key] = kind
+            keys.update(_schema(kind, key + "."))
+        else:
+            keys[key] = FREE if typing.get_origin(kind) in (dict, Dict) else None
+    return keys
+
+
+FREE = "free-form"
+SCHEMA_KEYS = _schema()
+CONF_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf")
+
+
+def suggest(key: str) -> str:
+    """'did you mean X?' for the valid key nearest to `key`, else what its section holds."""
+    values = [k for k, kind in SCHEMA_KEYS.items() if not isinstance(kind, type)]
+    name = key.rsplit(".", 1)[-1]
+    same_name = [k for k in values if k.rsplit(".", 1)[-1] == name]  # right key, wrong section
+    close = same_name or difflib.get_close_matches(key, values if "." in key else list(SCHEMA_KEYS), n=1, cutoff=0.6)
+    if close:
+        return f"did you mean {close[0]}?"
+    section = key.rsplit(".", 1)[0] if "." in key else ""
+    if section in SCHEMA_KEYS and not isinstance(SCHEMA_KEYS[section], type):
+        return f"{section} is a value, with no keys below it."
+    if section in SCHEMA_KEYS:
+        names = [k[len(section) + 1:] for k in SCHEMA_KEYS if k.startswith(section + ".") and k.count(".") == key.count(".")]
+        return f"{section} has: {', '.join(names)}."
+    return f"the top-level keys are: {', '.join(k for k in SCHEMA_KEYS if '.' not in k)}."
+
+
+def _unknown(key: str, given: str = "") -> ConfigError:
+    how = f" (given as {given})" if given else ""
+    return ConfigError(f"Could not override '{key}'{how}: no such key; {suggest(key)} zerolab's schema is "
+                       f"closed (zerolab/schema.py): `+` cannot add keys either (only below "
+                       f"strategy.ds_config_overrides, which takes DeepSpeed's keys).")
+
+
+def _known(key: str) -> bool:
+    parts = key.split(".")
+    for i in range(1, len(parts) + 1):
+        kind = SCHEMA_KEYS.get(".".join(parts[:i]), "unknown")
+        if kind == FREE:
+            return True  # anything below a free-form dict
+        if kind == "unknown" or (kind is None and i < len(parts)):
+            return False
+    return True
+
+
+def config_groups(config_dir: str = CONF_DIR) -> dict[str, list[str]]:
+    """The config groups of conf/ (model, strategy, ...) and their options (the yaml files)."""
+    return {d: sorted(f[:-5] for f in os.listdir(os.path.join(config_dir, d)) if f.endswith(".yaml"))
+            for d in sorted(os.listdir(config_dir)) if os.path.isdir(os.path.join(config_dir, d))}
+
+
+def check_overrides(overrides: Iterable[str], groups: "dict[str, list[str]] | Iterable[str]" = ()) -> None:
+    """Refuse command-line overrides of keys the schema lacks, with or without `+`/`++`/`~`, and
+    options a config group does not have (`strategy=nonexistent`), each in one line, before Hydra
+    composes anything. `groups`: top-level config group names that are not keys (e.g. `launcher`),
+    or {group: options} to check the options too (config_groups()); `hydra.*` and `group/option`
+    overrides are Hydra's business and pass through."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.core.override_parser.types import Glob
+
+    options = groups if isinstance(groups, dict) else {}
+    parser = OverridesParser.create()
+    for arg in overrides:
+        try:
+            (override,) = parser.parse_overrides([arg])
+        except Exception:  # not an override Hydra can parse: Hydra reports it
+            continue
+        key = override.key_or_group
+        if override.package is not None or "/" in key or key.split(".")[0] == "hydra":
+            continue
+        if "." not in key and key in groups:
+            if key in options and not override.is_delete() and not isinstance(override.value(), Glob):
+                given = (list(override.sweep_string_iterator()) if override.is_sweep_override()
+                         else [override.get_value_element_as_str()])
+                for value in given:
+                    if value not in options[key] and value != "null":
+                        raise ConfigError(f"{key}={value}: no such option of config group {key}; choose one of "
+                                          f"{', '.join(options[key])} (conf/{key}/*.yaml)")
+            continue
+        if not _known(key):
+            raise _unknown(key, arg)
+
+
+def check_keys(cfg: DictConfig, prefix: str = "") -> None:
+    """Refuse keys of a composed config that its schema lacks (added with `+key=...`)."""
+    for name in cfg.keys():
+        key = prefix + str(name)
+        if key not in SCHEMA_KEYS:
+            raise _unknown(key)
+        node = cfg._get_node(name)
+        if isinstance(SCHEMA_KEYS[key], type) and isinstance(node, DictConfig) and not node._is_missing() \
+                and not node._is_none():
+            check_keys(node, key + ".")
+
+
+def applies_rules(cls=Config, prefix: str = "") -> dict[str, Any]:
+    """Every dotted key declared with `setting(..., applies=...)` -> its rule."""
+    rules, hints = {}, typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(hints[f.name]):
+            rules.update(applies_rules(hints[f.name], prefix + f.name + "."))
+        elif f.metadata.get("applies") is not None:
+            rules[prefix + f.name] = f.metadata["applies"]
+    return rules
+
+
+def default_of(key: str) -> Any:
+    """The schema's default of a dotted key."""
+    cls, parts = Config, key.split(".")
+    for part in parts[:-1]:
+        cls = typing.get_type_hints(cls)[part]
+    f = next(f for f in dataclasses.fields(cls) if f.name == parts[-1])
+    return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+
+
+def value_of(cfg, key: str) -> Any:
+    for part in key.split("."):
+        cfg = getattr(cfg, part)
+    return cfg
+
+
+def global_batch(cfg: Config, world_size: int) -> int:
+    return cfg.data.micro_batch * cfg.trainer.grad_accum_steps * world_size
+
+
+def to_dict(cfg: Config) -> dict:
+    return OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
