@@ -22,7 +22,7 @@ if [[ -z ${NPROC:-} ]]; then
 fi
 
 # Choose (and validate) the run directory once, so the logs can go into it.
-RUN_DIR=$("$PYTHON" "$ROOT/launch/run_dir.py" "$@") || exit $?
+RUN_DIR=$(WORLD_SIZE=$NPROC "$PYTHON" "$ROOT/launch/run_dir.py" "$@") || exit $?  # checked for NPROC ranks
 LOGS=$RUN_DIR/logs
 echo "zerolab: $NPROC ranks, run dir $RUN_DIR"
 

@@ -80,10 +80,11 @@ def test_deepspeed_pickle_payload_never_runs(tmp_path, ds_run):
         with pytest.raises(CheckpointError, match=rf"{victim / fname}: refused, its pickle names posix.system"):
             verify(str(victim))
 
-    # Every file of both checkpoints planted: resume, export and import all refuse.
+    # Every torch.save file of both checkpoints planted: resume, export and import all refuse.
     for step in steps:
         for fname in json.loads((step / "meta.json").read_text())["files"]:
-            shutil.copy(evil, step / fname)
+            if fname.endswith(".pt"):
+                shutil.copy(evil, step / fname)
         _rewrite_meta(step)
     proc = run_train(tmp_path / "resumed", 2, *TINY, *DS, "trainer.max_steps=3", f"checkpoint.dir={ck}",
                      "checkpoint.resume=auto", check=False)

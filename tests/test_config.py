@@ -12,7 +12,7 @@ from zerolab.config import ConfigError, compose
     ("trainer.max_steps=0", "trainer.max_steps=0 must be > 0"),
     ("trainer.foo=1", "Could not override 'trainer.foo'"),
     ("trainer.max_steps=abc", "trainer.max_steps"),
-    ("strategy=nosuch", "Available options in 'strategy'"),
+    ("strategy=nosuch", "strategy=nosuch: no such option of config group strategy"),
     ("model.n_head=3", "model.n_embd=64 must be divisible by model.n_head=3"),
     ("data.global_batch=12", "data.global_batch=12 is not divisible by data.micro_batch"),
 ])

@@ -11,12 +11,14 @@ Waiting for a step means reading the job's output line by line (blocking reads),
 """
 import json
 import os
+import re
 import signal
 import subprocess
 
 import pytest
 import torch
 
+import ranks
 from conftest import ROOT, TORCHRUN, base_env, load_weights, read_metrics, run_train
 
 pytestmark = pytest.mark.slow  # every test here starts processes (see conftest: tiers)
@@ -25,11 +27,11 @@ COMMON = ["model=gpt_tiny", "data=text", "trainer.eval_every=0", "data.micro_bat
           "logging.wandb.mode=disabled", "logging.progress=false"]
 
 
-def start(cmd_head, run_dir, *overrides):
+def start(cmd_head, run_dir, *overrides, env=None):
     """The job with stdout and stderr merged into one pipe, read line by line by the test."""
     cmd = [*cmd_head, f"run.dir={run_dir}", *COMMON, *overrides]
-    return subprocess.Popen(cmd, cwd=ROOT, env=base_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
+    return subprocess.Popen(cmd, cwd=ROOT, env=base_env(**(env or {})), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
 
 
 def read_until(proc, text: str, seen: list[str]) -> None:
@@ -78,6 +80,48 @@ def test_sigterm_to_agent_saves_and_resume_matches_uninterrupted(tmp_path):
     assert not (run / "preempted.json").exists()  # the resumed run cleared the stale marker
     wr, wi = load_weights(ref), load_weights(run)
     assert all(torch.equal(wr[k], wi[k]) for k in wr), "resumed weights differ from the uninterrupted run"
+
+
+@pytest.mark.parametrize("nproc, strategy", [(2, "zero2"), (3, "zero3")])
+def test_one_rank_signalled_stops_every_rank_after_the_same_step(tmp_path, nproc, strategy):
+    """SIGUSR1 to the last rank alone (a node's own warning): the stop agreement (one MAX
+    all-reduce per step over the host group) makes every rank stop after the same step, save
+    there together, and the resumed run ends bitwise where an uninterrupted one does."""
+    job = [f"strategy={strategy}", "trainer.max_steps=12"]
+    ref = tmp_path / "ref"
+    ranks.train(ref, nproc, *COMMON, *job)
+    run = tmp_path / "run"
+    head = [*TORCHRUN, "--standalone", f"--nproc_per_node={nproc}", str(ROOT / "train.py")]
+    proc, seen = start(head, run, *job), []
+    read_until(proc, "step 4/12 |", seen)
+    os.kill(rank_pid(proc.pid, nproc - 1), signal.SIGUSR1)
+    out = finish(proc, seen, timeout=90)
+    stops = re.findall(r"zerolab: stopped after step (\d+) of 12 on (SIGUSR1|a stop signal received by another rank)",
+                       out)
+    assert len(stops) == nproc and len({step for step, _ in stops}) == 1, out[-6000:]
+    assert sorted(why for _, why in stops) == ["SIGUSR1"] + ["a stop signal received by another rank"] * (nproc - 1)
+    assert len(re.findall(r"exitcode\s*:\s*75 ", out)) == nproc, out[-6000:]  # every worker: EX_TEMPFAIL
+    step = int(stops[0][0])
+    assert (run / "checkpoints" / f"step_{step:08d}" / "meta.json").exists()
+    ranks.train(run, nproc, *COMMON, *job, "checkpoint.resume=auto")
+    assert [r["step"] for r in read_metrics(run) if "loss" in r] == list(range(1, 13))  # one history
+    wr, wi = load_weights(ref), load_weights(run)
+    assert all(torch.equal(wr[k], wi[k]) for k in wr), "resumed weights differ from the uninterrupted run"
+
+
+def test_usr1_to_a_bare_torchrun_agent_saves_when_it_forwards_usr1(tmp_path):
+    """torchrun's agent handles TERM, INT, HUP and QUIT; a USR1 kills it (and its workers, with no
+    checkpoint) unless TORCHELASTIC_SIGNALS_TO_HANDLE adds SIGUSR1: then it forwards the USR1 to its
+    workers, which save and stop as on a TERM (docs: which signals save, per launcher)."""
+    run = tmp_path / "run"
+    proc, seen = start(TORCHRUN_2, run, "trainer.max_steps=1000",
+                       env={"TORCHELASTIC_SIGNALS_TO_HANDLE": "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"}), []
+    read_until(proc, "step 3/1000 |", seen)
+    proc.send_signal(signal.SIGUSR1)
+    out = finish(proc, seen, timeout=90)
+    marker = json.loads((run / "preempted.json").read_text())
+    assert marker["signal"] == "SIGUSR1", out[-6000:]
+    assert (run / "checkpoints" / f"step_{marker['step']:08d}" / "meta.json").exists()
 
 
 def test_sigterm_to_launch_script_writes_preempted_status(tmp_path):
