@@ -59,16 +59,24 @@ $(DOCS_STAMP): pyproject.toml
 docs: $(DOCS_STAMP)
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict
 
-# The Slurm tests (tests/test_slurm.py) need Debian's slurm-wlm and munge. Installed here when
-# missing and we are root with apt-get (as in CI); a no-op when present. Otherwise, or if apt-get
-# fails, nothing stops: those tests skip and print why.
+# The Slurm tests (tests/test_slurm.py) need Debian's slurm-wlm and munge: every binary below.
+# Installed here when missing and we are root with apt-get (as in CI); a no-op when present.
+# Otherwise the Slurm tests skip and say why, except on CI (CI=true), where a prerequisite that
+# cannot be had fails here, naming what is missing (a skipped part would read as a pass).
+SLURM_BINARIES := munged slurmctld slurmd sbatch srun scontrol scancel squeue
 slurm-deps:
-	@if command -v slurmctld >/dev/null && command -v slurmd >/dev/null && command -v munged >/dev/null; then :; \
+	@missing() { for b in $(SLURM_BINARIES); do command -v $$b >/dev/null || echo $$b; done; }; \
+	if [ -z "$$(missing)" ]; then :; \
 	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
 	  echo "installing slurm-wlm and munge for the Slurm tests (apt-get)"; \
 	  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq slurm-wlm munge >/dev/null; } \
-	    || echo "apt-get could not install slurm-wlm/munge: the Slurm tests will skip"; \
-	else echo "slurm-wlm/munge missing and not root with apt-get: the Slurm tests will skip"; fi
+	    || echo "apt-get could not install slurm-wlm/munge"; \
+	fi; \
+	still=$$(missing | tr '\n' ' '); \
+	if [ -n "$$still" ]; then \
+	  if [ "$$CI" = true ]; then echo "slurm-deps: missing $$still(CI=true: the Slurm tests must run)" >&2; exit 1; \
+	  else echo "slurm-deps: missing $$still: the Slurm tests will skip"; fi; \
+	fi
 
 clean:
 	rm -rf $(VENV) runs multirun outputs report

@@ -60,6 +60,8 @@ if __name__ == "__main__":
         if exit_.code == 1 and not _task_started:
             sys.exit(2)
         raise
+    except ZerolabError as err:  # a failed job of a sweep (hydra_plugins/zerolab_torchrun): said, exit 1
+        exit_for(err)
     except Exception as err:  # with HYDRA_FULL_ERROR=1 Hydra re-raises instead of exiting
         if _task_started:
             raise

@@ -2,8 +2,10 @@
 # Planner vs allocator on one CUDA GPU: world-size-1 bf16 runs of gpt2_124m for every strategy,
 # with and without activation checkpointing; the planner's predicted peak (python -m zerolab plan's
 # arithmetic) beside torch.cuda.max_memory_allocated and the measured activation bytes. Appends a
-# table to bench/RESULTS.md (bench/gpu_check.py writes it), then bench/sync_check.py's table (host
-# synchronisation in unlogged steps). Aim: under 8 minutes on an H100/H200.
+# table to bench/RESULTS.md (bench/gpu_check.py writes it), then where the step goes on CUDA (profiled
+# ddp and zero2 runs with traces: zerolab/profile.py's device path, checked and tabled by
+# bench/step_profile.py check), then bench/sync_check.py's table (host synchronisation in unlogged
+# steps). Aim: under 9 minutes on an H100/H200.
 #
 #   bench/gpu_check.sh [--micro-batch 8] [--seq 1024] [--steps 3] [--out bench/RESULTS.md] [--dry-run]
 #
@@ -59,8 +61,24 @@ for run in "${RUNS[@]}"; do
     DIRS+=("$label|$ck|$dir")
   done
 done
+# Then: where the step goes on CUDA (zerolab/profile.py): steps 3 and 4 profiled, with a trace, under
+# ddp and zero2 (one rank: NCCL's collectives still run); the parts must add up to each step.
+PROFILED=()
+for s in ddp zero2; do
+  dir="$ROOT/profile-$s"
+  cmd=("$PY" -m torch.distributed.run --standalone --nproc_per_node=1 train.py "strategy=$s" model=gpt2_124m
+       precision=bf16 data=synthetic "data.micro_batch=$MB" "model.block_size=$SEQ" trainer.max_steps=4
+       trainer.eval_every=0 trainer.eval_batches=1 "profile.steps=[3,4]" profile.trace=true dist.device=cuda
+       run.save_model=false "run.dir=$dir" logging.wandb.mode=disabled logging.progress=false)
+  if [[ $DRY == 1 ]]; then echo "${cmd[*]}"; continue; fi
+  echo "== $s, profiled" >&2
+  "${cmd[@]}" > "$dir.log" 2>&1 && PROFILED+=("$dir") || echo "   failed: see $dir.log" >&2
+done
 # Then: does a step that is not logged synchronise the host with the device (one rank, seconds).
 SYNC=("$PY" bench/sync_check.py --device cuda --out "$OUT")
 if [[ $DRY == 1 ]]; then echo "${SYNC[*]}"; exit 0; fi
 "$PY" bench/gpu_check.py --micro-batch "$MB" --seq "$SEQ" --out "$OUT" "${DIRS[@]}"
+if [[ ${#PROFILED[@]} -gt 0 ]]; then
+  "$PY" bench/step_profile.py check --out "$OUT" "${PROFILED[@]}" || echo "   profile check failed" >&2
+fi
 "${SYNC[@]}" || echo "   sync check failed" >&2

@@ -5,8 +5,9 @@ logs and the status file, and so that every node of a multi-node job is handed t
 `run.dir=` (the trainer's own choice would be made by one rank 0 only after rendezvous). The name
 comes from zerolab.rundir.new_run_dir: <run.root>/<experiment>/<time>-<strategy>[-job<id>]; a
 requeued Slurm job gets the directory its first start chose (found by its job id).
-Composing the config also validates it: a bad override, a given token file that is missing, empty
-or too short (zerolab.data.check_token_file), a run.dir that another job holds (zerolab/runlock.py)
+Composing the config also validates it: a bad override, a user's model that cannot be built
+(zerolab.models.preflight: a missing model.config, a target that does not import, a window past
+its positions, no blocks for zero3/fsdp), a given token file that is missing, empty or too short (zerolab.data.check_token_file), a run.dir that another job holds (zerolab/runlock.py)
 or a fresh start over another run's record (zerolab/record.py) exits with code 2 here, before any
 allocation or process group is used.
 
@@ -22,6 +23,7 @@ from zerolab import record, runlock  # noqa: E402
 from zerolab.checkpoint import check_resume_path, checkpoint_dir  # noqa: E402
 from zerolab.config import ConfigError, check_overrides, compose, config_groups  # noqa: E402
 from zerolab.data import check_token_file  # noqa: E402
+from zerolab.job import model_preflight  # noqa: E402
 from zerolab.rundir import new_run_dir  # noqa: E402
 
 
@@ -41,6 +43,7 @@ def choose(overrides: list[str]) -> str:
     check_overrides(overrides, config_groups())
     cfg = compose(overrides)
     check_resume_path(cfg.checkpoint.resume)
+    model_preflight(cfg)  # a user's model: config, code, window, blocks, weights; model=hf's vocabulary
     if cfg.data.kind == "text" and cfg.data.path:
         # A given token file that cannot give a window of each split, or holds a token the model's
         # vocabulary lacks: exit 2 here, seconds after the launch, not after every rank has started

@@ -48,6 +48,100 @@ def pytest_runtest_teardown(item, nextitem):
     _spawn_allowed = True  # fixtures' teardown and collection may spawn freely
 
 
+# pytest-timeout kills a test at 600 s (pyproject.toml). Every process a test starts has a deadline
+# below it, so the test fails with the process's output, and the whole process group goes with it
+# (a torchrun agent's workers included) instead of outliving the test.
+MAX_PROCESS_S = 540
+
+
+def run_process(cmd: list[str], *, timeout: float, env: dict | None = None, cwd: Path = ROOT,
+                input: str | None = None) -> subprocess.CompletedProcess:
+    """subprocess.run in its own process group, with a deadline (at most MAX_PROCESS_S) after
+    which the whole group is killed and the test fails with what it printed."""
+    import signal
+
+    assert timeout <= MAX_PROCESS_S, f"timeout={timeout} s: keep it under pytest's own limit"
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env if env is not None else base_env(), text=True, start_new_session=True,
+                            stdin=subprocess.PIPE if input is not None else None, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    try:
+        out, err = proc.communicate(input=input, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"{' '.join(map(str, cmd))} still running after {timeout:.0f} s (process group killed):\n"
+                    f"{out[-4000:]}\n{err[-6000:]}")
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+class Output:
+    """A process's output, read by a thread, so that every wait on it has a deadline: `until(text)`
+    returns once `text` has appeared, `rest()` once the writer has closed it; either fails the test
+    after `timeout` seconds with what was read. The source is a pipe (a Popen's stdout, text mode)
+    or the path of a FIFO, opened in the thread (an open blocks until the writer opens it; a
+    writer that never comes leaves only that daemon thread waiting). `cleanup` runs before a
+    failed wait fails the test (to kill the job that did not say what was waited for)."""
+
+    def __init__(self, source, timeout: float = 240, cleanup=None):
+        import queue
+        import threading
+
+        self.timeout, self.chunks, self._queue, self._matched = timeout, [], queue.Queue(), 0
+        self._cleanup = cleanup
+        threading.Thread(target=self._read, args=(source,), daemon=True).start()
+
+    def _read(self, source) -> None:
+        try:
+            if isinstance(source, (str, Path)):
+                with open(source, "rb", buffering=0) as fifo:
+                    while chunk := fifo.read(4096):
+                        self._queue.put(chunk.decode(errors="replace"))
+            else:
+                for line in source:
+                    self._queue.put(line)
+        finally:
+            self._queue.put(None)  # the end of the output
+
+    @property
+    def text(self) -> str:
+        return "".join(self.chunks)
+
+    def _fail(self, message: str):
+        if self._cleanup is not None:
+            self._cleanup()
+        pytest.fail(message)
+
+    def _next(self, deadline: float, waiting_for: str):
+        import queue
+        import time
+
+        try:
+            return self._queue.get(timeout=max(0.0, deadline - time.monotonic()))
+        except queue.Empty:
+            self._fail(f"no {waiting_for} within the deadline; output so far:\n{self.text[-6000:]}")
+
+    def until(self, text: str, timeout: float | None = None) -> None:
+        """Waits for `text` after the end of the last match (a second wait for the same line waits
+        for its next appearance)."""
+        import time
+
+        deadline = time.monotonic() + (timeout or self.timeout)
+        while (found := self.text.find(text, self._matched)) < 0:
+            chunk = self._next(deadline, repr(text))
+            if chunk is None:
+                self._fail(f"the output ended before {text!r}:\n{self.text[-6000:]}")
+            self.chunks.append(chunk)
+        self._matched = found + len(text)
+
+    def rest(self, timeout: float | None = None) -> str:
+        import time
+
+        deadline = time.monotonic() + (timeout or self.timeout)
+        while (chunk := self._next(deadline, "end of the output")) is not None:
+            self.chunks.append(chunk)
+        return self.text
+
+
 def base_env(**extra) -> dict:
     env = dict(os.environ)
     fixed_corpus()
@@ -71,17 +165,27 @@ def one_rank(monkeypatch):
     zdist.shutdown(ctx)
 
 
+def missing(reason: str) -> None:
+    """A prerequisite this machine lacks (Slurm, root for a tmpfs, DeepSpeed's built ops): outside
+    CI the test skips naming it; on CI (CI=true) the suite fails naming it, since CI must have
+    everything and a skip there would read as a pass."""
+    if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
+        pytest.fail(f"CI=true and a prerequisite is missing: {reason}")
+    pytest.skip(reason)
+
+
 @pytest.fixture(scope="session")
 def deepspeed_ops():
     """DeepSpeed tests need its CPU ops built at install (zerolab/ds_ops.py): a first-use compile
-    inside a test would take minutes, or wait forever behind a stale build lock. Skip with the
-    reason instead."""
-    pytest.importorskip("deepspeed")
+    inside a test would take minutes, or wait forever behind a stale build lock. DeepSpeed itself
+    is pinned: it is imported, and a broken install fails the test."""
+    import deepspeed  # noqa: F401  (a pinned dependency: an ImportError is a failure, not a skip)
+
     from zerolab import ds_ops
 
     reason = ds_ops.missing_reason()
     if reason:
-        pytest.skip(reason)
+        missing(reason)
 
 
 # ---- a corpus that is the same on every machine ----------------------------------------------
@@ -139,23 +243,61 @@ def fixed_corpus() -> Path:
 
 
 def run_train(run_dir: Path, nproc: int, *overrides: str, check: bool = True, env: dict | None = None,
-              timeout: float = 300) -> subprocess.CompletedProcess:
-    """torchrun train.py with 'nproc' ranks into run_dir (on the fixed test corpus, through
-    base_env); fails the test with the output on error."""
+              timeout: float = 300, torchrun: bool = False) -> subprocess.CompletedProcess:
+    """train.py's job with `nproc` ranks into run_dir, on the fixed test corpus (base_env); fails the
+    test with the output on error. By default the ranks run without torchrun (tests/ranks.py: real
+    gloo ranks forked from a warm server, bitwise the job torchrun runs, without its start-up cost):
+    the result's stdout is every rank's output (rank 0 first) and its returncode the first failing
+    rank's exit code (0 when all succeeded). torchrun=True starts a real torchrun job, for tests of
+    what torchrun itself does or prints (its exit code is 1 when a worker fails; the workers' own
+    codes are in its summary)."""
+    if not torchrun:
+        codes = run_ranks(run_dir, nproc, *overrides, check=check, env=env, timeout=timeout)
+        out = "".join(rank_log(run_dir, r) for r in range(nproc))
+        return subprocess.CompletedProcess(["ranks", str(run_dir), *overrides], next((c for c in codes if c), 0),
+                                           stdout=out, stderr="")
     cmd = [*TORCHRUN, "--standalone", f"--nproc_per_node={nproc}", str(ROOT / "train.py"),
            f"run.dir={run_dir}", "logging.wandb.mode=disabled", "logging.progress=false",
            *overrides]
-    proc = subprocess.run(cmd, cwd=ROOT, env=base_env(**(env or {})), capture_output=True, text=True,
-                          timeout=timeout)
+    proc = run_process(cmd, timeout=timeout, env=base_env(**(env or {})))
     if check and proc.returncode != 0:
         pytest.fail(f"train.py failed ({proc.returncode}): {' '.join(cmd)}\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}")
     return proc
 
 
+def run_ranks(run_dir: Path, nproc: int, *overrides: str, **kwargs) -> list[int]:
+    """train.py's job with `nproc` real gloo ranks, without torchrun (tests/ranks.py): for tests of
+    what the ranks compute. Returns the ranks' exit codes; each rank's output is in
+    <run_dir>.rank<r>.log beside the run directory."""
+    import ranks
+
+    return ranks.train(run_dir, nproc, *overrides, **kwargs)
+
+
+def rank_log(run_dir: Path, rank: int = 0) -> str:
+    return (Path(run_dir).parent / f"{Path(run_dir).name}.rank{rank}.log").read_text()
+
+
+@pytest.fixture(scope="session")
+def shared_run(tmp_path_factory):
+    """`shared_run(nproc, *overrides)`: the run directory of that job, trained once per pytest
+    invocation however many tests ask for it (a reference run several files compare against).
+    The directory is shared: read it, never write into it (copy what you change)."""
+    made: dict[tuple, Path] = {}
+
+    def get(nproc: int, *overrides: str) -> Path:
+        key = (nproc, *overrides)
+        if key not in made:
+            run = tmp_path_factory.mktemp("shared") / "run"
+            run_ranks(run, nproc, *overrides)
+            made[key] = run
+        return made[key]
+    return get
+
+
 def run_python(*args: str, check: bool = True, timeout: float = 300, env: dict | None = None,
                cwd: Path = ROOT) -> subprocess.CompletedProcess:
-    proc = subprocess.run([sys.executable, *args], cwd=cwd, env=base_env(**(env or {})),
-                          capture_output=True, text=True, timeout=timeout)
+    proc = run_process([sys.executable, *args], cwd=cwd, env=base_env(**(env or {})), timeout=timeout)
     if check and proc.returncode != 0:
         pytest.fail(f"python {' '.join(args)} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}")
     return proc
@@ -172,14 +314,13 @@ def read_metrics(run_dir: Path) -> list[dict]:
         return [json.loads(line) for line in fh if line.strip()]
 
 
-def max_rel_diff(a: dict, b: dict) -> float:
-    """max over tensors of |a-b|_inf / max(|b|_inf, 1e-12)."""
-    assert a.keys() == b.keys(), f"different tensor names: {sorted(a.keys() ^ b.keys())}"
-    worst = 0.0
-    for k in a:
-        x, y = a[k].double(), b[k].double()
-        worst = max(worst, ((x - y).abs().max() / y.abs().max().clamp_min(1e-12)).item())
-    return worst
+def assert_same_weights(a: dict, b: dict, what: str) -> None:
+    """Bitwise equal, tensor by tensor: for runs whose summation order is argued to be the same."""
+    import torch
+
+    assert a.keys() == b.keys(), f"{what}: different tensor names: {sorted(a.keys() ^ b.keys())}"
+    differ = [k for k in a if not torch.equal(a[k], b[k])]
+    assert not differ, f"{what}: not bitwise equal in {differ[:5]}"
 
 
 def rel_l2_diff(a: dict, b: dict) -> float:

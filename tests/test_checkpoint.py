@@ -1,9 +1,11 @@
 """Checkpoints: exact resume, atomicity and corruption fallback, bad input, safe loading, export.
 
-Real torchrun jobs on gloo. Exact resume: run A trains 2k steps and saves at k and 2k; run B
+Real gloo ranks (tests/ranks.py: train.py's job without torchrun; the one test of a message under
+torchrun starts torchrun). Exact resume: run A trains 2k steps and saves at k and 2k; run B
 starts a fresh job from A's step-k checkpoint and trains to 2k. B's losses (steps k+1..2k) and
 final weights must equal A's bit for bit on CPU (same world size and strategy), which covers
-data order, dropout RNG, the LR schedule, the optimizer step counter and the loss scale."""
+data order, dropout RNG, the LR schedule, the optimizer step counter and the loss scale, with
+accumulation, LAMB, and zero3 in 16-bit among the cases."""
 import json
 import os
 import re
@@ -12,7 +14,7 @@ import shutil
 import pytest
 import torch
 
-from conftest import load_weights, read_metrics, run_python, run_train
+from conftest import load_weights, rank_log, read_metrics, run_python, run_ranks, run_train
 
 pytestmark = pytest.mark.slow  # every test here starts processes (see conftest: tiers)
 
@@ -23,11 +25,13 @@ TINY = ["model=gpt_tiny", "data=text", "trainer.eval_every=0", "data.micro_batch
 
 @pytest.mark.parametrize("strategy,precision,extra", [
     ("ddp", "fp32", ["model.dropout=0.1"]),
-    ("zero2", "fp32", ["model.dropout=0.1"]),
-    ("zero2", "bf16", ["model.dropout=0.1"]),
+    ("zero2", "fp32", ["model.dropout=0.1", "trainer.grad_accum_steps=2"]),
+    # LAMB's per-tensor trust ratios from the flat shard, with accumulation, in bf16
+    ("zero2", "bf16", ["model.dropout=0.1", "optim=lamb", "trainer.grad_accum_steps=2"]),
     # zero3: the persistent bf16 chunks are rebuilt from the loaded fp32 master exactly as the step
     # wrote them, so the steps after the resume repeat bit for bit.
-    ("zero3", "bf16", ["model.dropout=0.1"]),
+    ("zero3", "bf16", ["model.dropout=0.1", "trainer.grad_accum_steps=2"]),
+    ("zero3", "fp32", ["optim=lamb"]),
     # fp16: the loss scale grows every 2 clean steps, so a resume that lost it would differ.
     ("zero1", "fp16", ["precision.growth_interval=2", "precision.initial_scale=1024"]),
 ])
@@ -35,9 +39,9 @@ def test_exact_resume_is_bitwise(tmp_path, strategy, precision, extra):
     common = [*TINY, f"strategy={strategy}", f"precision.name={precision}", f"trainer.max_steps={2 * K}",
               "optim.warmup_steps=2", *extra]
     a, b = tmp_path / "a", tmp_path / "b"
-    run_train(a, 2, *common, f"checkpoint.every={K}")
-    proc = run_train(b, 2, *common, f"checkpoint.resume={a / 'checkpoints' / f'step_{K:08d}'}")
-    assert f"resumed at step {K}" in proc.stdout + proc.stderr
+    run_ranks(a, 2, *common, f"checkpoint.every={K}")
+    run_ranks(b, 2, *common, f"checkpoint.resume={a / 'checkpoints' / f'step_{K:08d}'}")
+    assert f"resumed at step {K}" in rank_log(b)
     ma, mb = read_metrics(a), read_metrics(b)
     assert [r["step"] for r in mb] == list(range(K + 1, 2 * K + 1))
     keys = ["loss", "lr", "grad_norm"] + (["loss_scale"] if precision == "fp16" else [])
@@ -52,8 +56,8 @@ def test_exact_resume_is_bitwise(tmp_path, strategy, precision, extra):
 @pytest.fixture(scope="module")
 def ddp_run(tmp_path_factory):
     """2 ranks of ddp, checkpoints at steps 2 and 4 (the final step)."""
-    run = tmp_path_factory.mktemp("ddp")
-    run_train(run, 2, *TINY, "trainer.max_steps=4", "checkpoint.every=2", "checkpoint.keep_last=3")
+    run = tmp_path_factory.mktemp("ddp") / "run"
+    run_ranks(run, 2, *TINY, "trainer.max_steps=4", "checkpoint.every=2", "checkpoint.keep_last=3")
     return run
 
 
@@ -65,7 +69,7 @@ def _copy_ckpts(ddp_run, tmp_path):
 
 def test_layout_and_pruning(tmp_path):
     run = tmp_path / "run"
-    run_train(run, 2, *TINY, "trainer.max_steps=5", "checkpoint.every=1", "checkpoint.keep_last=2")
+    run_ranks(run, 2, *TINY, "trainer.max_steps=5", "checkpoint.every=1", "checkpoint.keep_last=2")
     ck = run / "checkpoints"
     assert sorted(os.listdir(ck)) == ["latest", "step_00000004", "step_00000005"]
     assert (ck / "latest").read_text().strip() == "step_00000005"
@@ -89,8 +93,8 @@ def test_corrupt_newest_falls_back_to_previous(tmp_path, ddp_run):
     (ck / ".tmp-step_00000006").mkdir()
     (ck / ".tmp-step_00000006" / "rank0.safetensors").write_bytes(b"\0" * 100)
     run = tmp_path / "resumed"
-    proc = run_train(run, 2, *TINY, "trainer.max_steps=4", f"checkpoint.dir={ck}", "checkpoint.resume=auto")
-    out = proc.stdout + proc.stderr
+    run_ranks(run, 2, *TINY, "trainer.max_steps=4", f"checkpoint.dir={ck}", "checkpoint.resume=auto")
+    out = rank_log(run)
     assert f"{victim}: sha256 does not match" in out
     assert "falling back to" in out and "resumed at step 2" in out
     assert [r["step"] for r in read_metrics(run)] == [3, 4]
@@ -107,8 +111,8 @@ def test_flipped_digit_in_meta_falls_back(tmp_path, ddp_run):
     assert text.count('"step": 4,') == 1
     mpath.write_text(text.replace('"step": 4,', '"step": 6,'))
     run = tmp_path / "resumed"
-    proc = run_train(run, 2, *TINY, "trainer.max_steps=4", f"checkpoint.dir={ck}", "checkpoint.resume=auto")
-    out = proc.stdout + proc.stderr
+    run_ranks(run, 2, *TINY, "trainer.max_steps=4", f"checkpoint.dir={ck}", "checkpoint.resume=auto")
+    out = rank_log(run)
     assert f"{mpath}: its content does not match its own sha256" in out
     assert f"falling back to {ck / 'step_00000002'}" in out and "resumed at step 2" in out
     assert [r["step"] for r in read_metrics(run)] == [3, 4]
@@ -187,12 +191,13 @@ def test_bad_input_errors_name_file_and_mismatch(tmp_path, ddp_run):
 
 def test_wrong_model_stops_before_training(tmp_path, ddp_run):
     run = tmp_path / "run"
-    proc = run_train(run, 2, *TINY, "model.n_embd=32", "trainer.max_steps=4",
+    codes = run_ranks(run, 2, *TINY, "model.n_embd=32", "trainer.max_steps=4",
                      f"checkpoint.resume={ddp_run / 'checkpoints'}", check=False)
-    assert proc.returncode != 0
-    # A CheckpointError is an explained failure: one paragraph, no Python traceback (zerolab.errors).
-    assert "zerolab: error:" in proc.stderr and "step_00000004/meta.json: the checkpoint is for another model" in proc.stderr
-    assert 'zerolab/checkpoint/' not in proc.stderr  # no traceback through the checkpoint code
+    assert codes == [1, 1], codes  # a CheckpointError: exit 1 on every rank
+    # An explained failure: one paragraph, said by rank 0 alone, no Python traceback (zerolab.errors).
+    out = rank_log(run)
+    assert "zerolab: error:" in out and "step_00000004/meta.json: the checkpoint is for another model" in out
+    assert 'zerolab/checkpoint/' not in out and "zerolab: error:" not in rank_log(run, 1)
     assert not (run / "metrics.jsonl").exists() or read_metrics(run) == []
 
 
@@ -257,10 +262,11 @@ def test_every_checkpoint_corrupt_is_one_paragraph_with_a_way_on(tmp_path, ddp_r
         victim = step / "rank1.safetensors"
         victim.write_bytes(victim.read_bytes()[:-5])
     run = tmp_path / "resumed"
-    proc = run_train(run, 2, *TINY, "trainer.max_steps=4", f"checkpoint.dir={ck}", "checkpoint.resume=auto",
+    proc = run_train(run, 2, *TINY, "trainer.max_steps=4", f"checkpoint.dir={ck}", "checkpoint.resume=auto", torchrun=True,
                      check=False)
     out = proc.stdout + proc.stderr
-    assert proc.returncode != 0
+    # a CheckpointError on every rank: each worker exits 1 (rank 1 once torchrun stops it), torchrun 1
+    assert proc.returncode == 1 and len(re.findall(r"exitcode\s*:\s*1 ", out)) == 2, out[-6000:]
     message = [line for line in out.splitlines() if line.startswith("zerolab: error:")]
     assert len(message) == 1 and out.count("failed verification") == 1, out[-6000:]
     for step in ("step_00000004", "step_00000002"):
@@ -272,7 +278,7 @@ def test_every_checkpoint_corrupt_is_one_paragraph_with_a_way_on(tmp_path, ddp_r
 @pytest.mark.parametrize("strategy,ranks", [("ddp", 2), ("zero2", 3)])
 def test_export_matches_live_model_and_is_smaller(tmp_path, strategy, ranks):
     run = tmp_path / "run"
-    run_train(run, ranks, *TINY, f"strategy={strategy}", "trainer.max_steps=3", "checkpoint.every=3")
+    run_ranks(run, ranks, *TINY, f"strategy={strategy}", "trainer.max_steps=3", "checkpoint.every=3")
     live = load_weights(run)  # the trainer's consolidated weights at the same step
     from safetensors import safe_open
     from safetensors.torch import load_file

@@ -10,7 +10,7 @@ from conftest import load_weights, read_metrics, run_python, run_train
 
 pytestmark = pytest.mark.slow  # every test here starts processes (see conftest: tiers)
 
-pytest.importorskip("deepspeed")
+import deepspeed  # noqa: F401,E402  (pinned: a broken install fails, it does not skip)
 
 K = 3
 COMMON = ["model=gpt_tiny", "data=text", "trainer.eval_every=0", "data.micro_batch=4", "optim.warmup_steps=2",

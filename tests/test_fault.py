@@ -6,12 +6,12 @@
 - A rank that hangs or dies without restarts: the job ends (no test sleeps; the subprocess
   timeout below only bounds a broken implementation) with an error naming the rank.
 """
-import subprocess
+import re
 
 import pytest
 import torch
 
-from conftest import ROOT, TORCHRUN, base_env, load_weights, read_metrics, run_train
+from conftest import ROOT, TORCHRUN, load_weights, read_metrics, run_process, run_train
 
 pytestmark = pytest.mark.slow  # every test here starts processes (see conftest: tiers)
 
@@ -23,7 +23,7 @@ def torchrun(run_dir, *overrides, restarts=0, timeout=300):
     cmd = [*TORCHRUN, "--standalone", "--nproc_per_node=2", f"--max-restarts={restarts}", str(ROOT / "train.py"),
            f"run.dir={run_dir}", *COMMON, *overrides]
     # torchrun's own store is shared across restart rounds; zerolab.dist namespaces it per round.
-    return subprocess.run(cmd, cwd=ROOT, env=base_env(), capture_output=True, text=True, timeout=timeout)
+    return run_process(cmd, timeout=timeout)
 
 
 def test_killed_rank_restarts_and_matches_uninterrupted(tmp_path):
@@ -54,7 +54,9 @@ def test_hung_rank_ends_job_naming_it(tmp_path):
     proc = torchrun(tmp_path / "run", TIMEOUT, "fault.kill_rank=1", "fault.at_step=2", "fault.mode=hang",
                     timeout=240)
     out = proc.stdout + proc.stderr
-    assert proc.returncode != 0
+    # torchrun exits 1 when a worker fails; the first failure in its summary is rank 0's os._exit(1),
+    # after it named the rank that stopped (zerolab.fault.stop_now)
+    assert proc.returncode == 1 and re.search(r"Root Cause[\s\S]*exitcode\s*:\s*1 ", out), out[-6000:]
     assert "rank 1 fails before step 2 (fault.mode=hang)" in out
     # Rank 1 is alive (its heartbeat moves) but still in step 1 while rank 0 waits in step 2.
     assert "RankStopped" in out and "stopped: rank 1 in step 1 (" in out and "fell behind" in out
@@ -65,7 +67,8 @@ def test_dead_rank_without_restarts_ends_job_naming_it(tmp_path, mode):
     proc = torchrun(tmp_path / "run", TIMEOUT, "fault.kill_rank=1", "fault.at_step=2", f"fault.mode={mode}",
                     timeout=240)
     out = proc.stdout + proc.stderr
-    assert proc.returncode != 0
+    # the dead rank's own code is 1 (os._exit(1), or the uncaught InjectedFault); torchrun exits 1
+    assert proc.returncode == 1 and re.search(r"Root Cause[\s\S]*exitcode\s*:\s*1 ", out), out[-6000:]
     assert f"rank 1 fails before step 2 (fault.mode={mode})" in out
     # torchrun's summary names the first failure; if rank 0 saw the broken collective first, ours does.
     assert "rank      : 1 (local_rank: 1)" in out.split("Root Cause")[-1] or "stopped: rank 1" in out

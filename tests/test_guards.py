@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import ROOT, TORCHRUN, base_env, load_weights, read_metrics, run_python, run_train
+from conftest import ROOT, TORCHRUN, base_env, load_weights, read_metrics, run_process, run_python, run_train
 from zerolab import runlock
 from zerolab.config import ConfigError, check_overrides, compose, suggest
 from zerolab.data import check_token_file
@@ -224,7 +224,7 @@ def torchrun(*overrides, timeout=240, **popen):
     cmd = [*TORCHRUN, "--standalone", "--nproc_per_node=2", str(ROOT / "train.py"), *COMMON, *overrides]
     if popen:
         return subprocess.Popen(cmd, cwd=ROOT, env=base_env(), text=True, **popen)
-    return subprocess.run(cmd, cwd=ROOT, env=base_env(), capture_output=True, text=True, timeout=timeout)
+    return run_process(cmd, timeout=timeout)
 
 
 def assert_one_clean_message(out: str, *expected: str, label="configuration error"):
@@ -265,7 +265,7 @@ def test_bad_data_exits_2_under_torchrun_with_one_message(tmp_path, case):
     else:
         expected.append("no such token file")
     proc = torchrun(f"data.path={path}", f"run.root={tmp_path / 'runs'}", *extra, timeout=180)
-    assert proc.returncode != 0
+    assert proc.returncode == 1  # torchrun's code for a failed worker (the workers' own 2: below)
     assert_one_clean_message(proc.stdout + proc.stderr, *expected)
     assert not (tmp_path / "runs").exists()  # the checks come before the run directory
 
@@ -302,7 +302,11 @@ def test_bad_input_is_said_once_and_exits_2(tmp_path, case, launch):
         proc = torchrun(*args, timeout=180)
         out = proc.stdout + proc.stderr
         assert_one_clean_message(out, expected)
-        assert len(re.findall(r"exitcode\s*:\s*2 ", out)) == 2, out[-6000:]  # every worker: 2
+        # Rank 0's code is torchrun's root cause; another rank exits 2 too once it has found the same
+        # error, unless torchrun stopped it first (SIGTERM: still importing when rank 0 was done).
+        codes = [int(c) for c in re.findall(r"exitcode\s*:\s*(-?\d+)", out)]
+        root = re.search(r"Root Cause[\s\S]*?exitcode\s*:\s*(-?\d+)", out)
+        assert root and int(root.group(1)) == 2 and sorted(set(codes)) in ([2], [-15, 2]), out[-6000:]
         (line,) = _message_lines(out)
         assert out.count(line) == 1  # no line of it twice
     assert "Could not find" not in out and "To append to your config" not in out  # no Hydra block
@@ -360,10 +364,12 @@ def test_second_job_on_a_held_run_dir_is_refused_and_the_first_is_untouched(tmp_
     drained = []
     try:
         ready, _, _ = select.select([reader], [], [], 240)  # A's first record: A holds the lock
-        assert ready, "job A wrote no metrics"
+        if not ready:
+            a_log.flush()
+            pytest.fail(f"job A wrote no metrics in 240 s:\n{(tmp_path / 'a.log').read_text()[-6000:]}")
         b = torchrun(f"run.dir={run_dir}", "trainer.max_steps=30", "optim.lr=0.01", timeout=180)
         out = b.stdout + b.stderr
-        assert b.returncode != 0
+        assert b.returncode == 1  # torchrun's code for a failed worker (the workers' own 2: below)
         assert_one_clean_message(out, f"run directory {run_dir} is in use by another job",
                                  f"host {socket.gethostname()}", "Pick another run.dir")
         holder_pid = int(re.search(r"is in use by another job \(host [^,]+, pid (\d+)", out).group(1))

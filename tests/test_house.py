@@ -170,3 +170,27 @@ def test_a_setting_for_another_optimizer_or_model_warns(caplog, monkeypatch):
     lines = sorted(r.getMessage() for r in caplog.records if "has no effect" in r.getMessage())
     assert [line.split("=")[0] for line in lines] == ["model.n_layer", "optim.momentum", "precision.min_scale"], lines
     assert "with optim.name=adamw (it applies with optim.name in sgd_momentum, lars)" in lines[1]
+
+
+def test_a_missing_prerequisite_fails_on_ci_and_skips_elsewhere(monkeypatch):
+    """conftest.missing: the skip names the reason; with CI=true the test fails instead (the Slurm
+    tests, the tmpfs of the disk-full tests and DeepSpeed's built ops go through it)."""
+    from conftest import missing
+
+    monkeypatch.setenv("CI", "true")
+    with pytest.raises(pytest.fail.Exception, match="CI=true and a prerequisite is missing: no sbatch"):
+        missing("no sbatch")
+    monkeypatch.setenv("CI", "")
+    with pytest.raises(pytest.skip.Exception, match="no sbatch"):
+        missing("no sbatch")
+
+
+def test_the_slurm_check_names_every_missing_binary(monkeypatch):
+    import test_slurm
+
+    monkeypatch.setenv("PATH", "")
+    if os.geteuid() == 0:
+        reason = test_slurm.why_no_slurm()
+        assert all(b in reason for b in test_slurm.SLURM_BINARIES), reason
+    make = (ROOT / "Makefile").read_text()
+    assert f"SLURM_BINARIES := {' '.join(test_slurm.SLURM_BINARIES)}" in make  # one list, checked by make too

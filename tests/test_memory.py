@@ -39,9 +39,15 @@ def test_zero1_zero2_by_hand(world, precision, c):
     padded = shard * world
     z1 = predict(shape_from_params(n), "zero1", world, precision, bucket_mb=BIG, state_elements=2).bytes()
     z2 = predict(shape_from_params(n), "zero2", world, precision, bucket_mb=BIG, state_elements=2).bytes()
-    # weights (with the bucket's padding), whole grads + fp32 grad shard, fp32 master shard, 2 × fp32 state
-    assert z1 == by_hand(c * padded, c * padded + 4 * shard, 4 * shard, 8 * shard)
-    assert z2 == by_hand(c * padded, 4 * shard, 4 * shard, 8 * shard)
+    if precision == "fp32":
+        # the paper's floor: the shard the optimizer updates is a view of the owned weights (no
+        # master copy), zero1's gradient shard a view of the owned chunk of the whole gradients
+        assert z1 == by_hand(4 * padded, 4 * padded, 0, 8 * shard)  # (4 + 4 + 8/N) per parameter
+        assert z2 == by_hand(4 * padded, 4 * shard, 0, 8 * shard)  # (4 + (4 + 8)/N)
+    else:
+        # weights (with the bucket's padding), whole grads + fp32 grad shard, fp32 master shard, 2 × fp32 state
+        assert z1 == by_hand(c * padded, c * padded + 4 * shard, 4 * shard, 8 * shard)
+        assert z2 == by_hand(c * padded, 4 * shard, 4 * shard, 8 * shard)
 
 
 def test_zero_buckets_follow_the_sharder_packing():

@@ -1,8 +1,6 @@
 """What the training loop shows and where wandb writes, in-process."""
 import logging
 
-import pytest
-
 from zerolab.metrics import Progress
 
 

@@ -6,7 +6,7 @@ gpt_tiny with model.bias=false: see tests/test_ddp.py for why the attention key 
 import pytest
 import torch
 
-from conftest import load_weights, max_rel_diff, read_metrics, run_train
+from conftest import load_weights, read_metrics, rel_l2_diff, run_train
 from zerolab.config import compose
 from zerolab.models import build_model
 
@@ -20,13 +20,13 @@ def test_lamb_zero2_equals_ddp(tmp_path):
     ddp, zero = tmp_path / "ddp", tmp_path / "zero2"
     run_train(ddp, 2, *COMMON, "strategy=ddp")
     run_train(zero, 2, *COMMON, "strategy=zero2")
-    diff = max_rel_diff(load_weights(zero), load_weights(ddp))
-    # Measured 1.6e-7 after 10 fp32 steps (README); 1e-6 is ~6x, a per-group trust ratio is ~1e-2 off.
-    assert diff < 1e-6, f"LAMB zero2 vs ddp: max relative difference {diff:.3g}"
+    diff = rel_l2_diff(load_weights(zero), load_weights(ddp))
+    # Per-tensor relative L2: measured 9.7e-8 after 10 fp32 steps (2026-12-01); 1e-6 is 10x it, and a
+    # per-group trust ratio instead of per-tensor ones is ~1e-2 off.
+    assert diff < 1e-6, f"LAMB zero2 vs ddp: largest per-tensor relative L2 difference {diff:.3g}"
     torch.manual_seed(1337)  # the trainer's seed: the initial weights
     init = build_model(compose(["model=gpt_tiny", "model.bias=false"]).model).state_dict()
-    assert max_rel_diff(load_weights(ddp), init) > 1e-3  # LAMB moved the weights
-    print(f"LAMB zero2 vs ddp after 10 steps: max relative difference {diff:.3g}")
+    assert rel_l2_diff(load_weights(ddp), init) > 1e-3  # LAMB moved the weights
     a, b = read_metrics(ddp)[-1], read_metrics(zero)[-1]
     keys = [k for k in a if k.startswith(("update_ratio", "trust_ratio_"))]
     assert "update_ratio/wte.weight" in keys and "trust_ratio_median" in keys and "update_ratio" in keys

@@ -7,7 +7,7 @@
   is named by the others and the job ends; the subprocess timeout bounds it (dist.timeout_s=10
   plus margin), so a regression to torchrun's 30 s grace wait for the frozen rank fails the test.
 
-Waiting for a step means reading the job's output line by line (blocking reads), never sleeping.
+Waiting for a step means reading the job's output (conftest.Output: each wait has a deadline), never sleeping.
 """
 import json
 import os
@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import ranks
-from conftest import ROOT, TORCHRUN, base_env, load_weights, read_metrics, run_train
+from conftest import ROOT, TORCHRUN, Output, base_env, load_weights, read_metrics, run_train
 
 pytestmark = pytest.mark.slow  # every test here starts processes (see conftest: tiers)
 
@@ -28,29 +28,29 @@ COMMON = ["model=gpt_tiny", "data=text", "trainer.eval_every=0", "data.micro_bat
 
 
 def start(cmd_head, run_dir, *overrides, env=None):
-    """The job with stdout and stderr merged into one pipe, read line by line by the test."""
+    """The job with stdout and stderr merged into one pipe, read by conftest.Output (every wait on
+    it has a deadline)."""
     cmd = [*cmd_head, f"run.dir={run_dir}", *COMMON, *overrides]
-    return subprocess.Popen(cmd, cwd=ROOT, env=base_env(**(env or {})), stdout=subprocess.PIPE,
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=base_env(**(env or {})), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    return proc, Output(proc.stdout, cleanup=lambda: kill_job(proc))
 
 
-def read_until(proc, text: str, seen: list[str]) -> None:
-    """Blocking readline until a line contains `text`; fails if the job ends first."""
-    for line in proc.stdout:
-        seen.append(line)
-        if text in line:
-            return
-    pytest.fail(f"job ended before printing {text!r}:\n{''.join(seen)[-6000:]}")
-
-
-def finish(proc, seen: list[str], timeout: float) -> str:
+def finish(proc, out: Output, timeout: float) -> str:
+    """The whole output once the job has closed it, within `timeout` s; the job's process group
+    is killed if it is still there (a failed wait included)."""
     try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
+        text = out.rest(timeout)
+        proc.wait(timeout=60)  # its output is closed: the agent is exiting
+    finally:
+        kill_job(proc)
+    return text
+
+
+def kill_job(proc) -> None:
+    if proc.poll() is None:
         os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        pytest.fail(f"job still running {timeout} s after the signal:\n{(''.join(seen) + out)[-6000:]}")
-    return "".join(seen) + out
+        proc.wait()
 
 
 TORCHRUN_2 = [*TORCHRUN, "--standalone", "--nproc_per_node=2", str(ROOT / "train.py")]
@@ -60,17 +60,17 @@ def test_sigterm_to_agent_saves_and_resume_matches_uninterrupted(tmp_path):
     ref = tmp_path / "ref"
     run_train(ref, 2, *COMMON, "trainer.max_steps=12")
     run = tmp_path / "run"
-    proc, seen = start(TORCHRUN_2, run, "trainer.max_steps=12", "checkpoint.every=0"), []
-    read_until(proc, "step 4/12 |", seen)  # rank 0 logged step 4: training is under way
+    proc, out = start(TORCHRUN_2, run, "trainer.max_steps=12", "checkpoint.every=0")
+    out.until("step 4/12 |")  # rank 0 logged step 4: training is under way
     proc.send_signal(signal.SIGTERM)  # to the agent only; it forwards SIGTERM to its workers
     # torchrun's grace period (30 s) bounds the workers; this bounds a job that ignores it.
-    out = finish(proc, seen, timeout=90)
+    text = finish(proc, out, timeout=90)
     marker = json.loads((run / "preempted.json").read_text())
     step = marker["step"]
     assert marker["stopped"] == "preempted" and marker["signal"] == "SIGTERM", marker
     assert 4 <= step < 12, marker  # the step each rank was in when the signal came (or the next)
-    assert f"zerolab: stopped after step {step} of 12 on SIGTERM" in out, out[-6000:]
-    assert (run / "checkpoints" / f"step_{step:08d}" / "meta.json").exists(), out[-6000:]
+    assert f"zerolab: stopped after step {step} of 12 on SIGTERM" in text, text[-6000:]
+    assert (run / "checkpoints" / f"step_{step:08d}" / "meta.json").exists(), text[-6000:]
     assert read_metrics(run)[-1] == {"step": step, "stopped": "preempted", "signal": "SIGTERM",
                                      "checkpoint": marker["checkpoint"]}
     assert not (run / "model.safetensors").exists()  # stopped, not finished
@@ -92,15 +92,15 @@ def test_one_rank_signalled_stops_every_rank_after_the_same_step(tmp_path, nproc
     ranks.train(ref, nproc, *COMMON, *job)
     run = tmp_path / "run"
     head = [*TORCHRUN, "--standalone", f"--nproc_per_node={nproc}", str(ROOT / "train.py")]
-    proc, seen = start(head, run, *job), []
-    read_until(proc, "step 4/12 |", seen)
+    proc, out = start(head, run, *job)
+    out.until("step 4/12 |")
     os.kill(rank_pid(proc.pid, nproc - 1), signal.SIGUSR1)
-    out = finish(proc, seen, timeout=90)
+    text = finish(proc, out, timeout=90)
     stops = re.findall(r"zerolab: stopped after step (\d+) of 12 on (SIGUSR1|a stop signal received by another rank)",
-                       out)
-    assert len(stops) == nproc and len({step for step, _ in stops}) == 1, out[-6000:]
+                       text)
+    assert len(stops) == nproc and len({step for step, _ in stops}) == 1, text[-6000:]
     assert sorted(why for _, why in stops) == ["SIGUSR1"] + ["a stop signal received by another rank"] * (nproc - 1)
-    assert len(re.findall(r"exitcode\s*:\s*75 ", out)) == nproc, out[-6000:]  # every worker: EX_TEMPFAIL
+    assert len(re.findall(r"exitcode\s*:\s*75 ", text)) == nproc, text[-6000:]  # every worker: EX_TEMPFAIL
     step = int(stops[0][0])
     assert (run / "checkpoints" / f"step_{step:08d}" / "meta.json").exists()
     ranks.train(run, nproc, *COMMON, *job, "checkpoint.resume=auto")
@@ -114,25 +114,25 @@ def test_usr1_to_a_bare_torchrun_agent_saves_when_it_forwards_usr1(tmp_path):
     checkpoint) unless TORCHELASTIC_SIGNALS_TO_HANDLE adds SIGUSR1: then it forwards the USR1 to its
     workers, which save and stop as on a TERM (docs: which signals save, per launcher)."""
     run = tmp_path / "run"
-    proc, seen = start(TORCHRUN_2, run, "trainer.max_steps=1000",
-                       env={"TORCHELASTIC_SIGNALS_TO_HANDLE": "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"}), []
-    read_until(proc, "step 3/1000 |", seen)
+    proc, out = start(TORCHRUN_2, run, "trainer.max_steps=1000",
+                       env={"TORCHELASTIC_SIGNALS_TO_HANDLE": "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"})
+    out.until("step 3/1000 |")
     proc.send_signal(signal.SIGUSR1)
-    out = finish(proc, seen, timeout=90)
+    text = finish(proc, out, timeout=90)
     marker = json.loads((run / "preempted.json").read_text())
-    assert marker["signal"] == "SIGUSR1", out[-6000:]
+    assert marker["signal"] == "SIGUSR1", text[-6000:]
     assert (run / "checkpoints" / f"step_{marker['step']:08d}" / "meta.json").exists()
 
 
 def test_sigterm_to_launch_script_writes_preempted_status(tmp_path):
     """launch/torchrun.sh forwards the signal, then says `preempted` and exits 75 (EX_TEMPFAIL)."""
     run = tmp_path / "run"
-    proc, seen = start([str(ROOT / "launch" / "torchrun.sh")], run, "trainer.max_steps=1000"), []
-    read_until(proc, "step 2/1000 |", seen)
+    proc, out = start([str(ROOT / "launch" / "torchrun.sh")], run, "trainer.max_steps=1000")
+    out.until("step 2/1000 |")
     proc.send_signal(signal.SIGTERM)
-    out = finish(proc, seen, timeout=90)
-    assert proc.returncode == 75, out[-6000:]
-    assert (run / "status").read_text().strip() == "preempted", out[-6000:]
+    text = finish(proc, out, timeout=90)
+    assert proc.returncode == 75, text[-6000:]
+    assert (run / "status").read_text().strip() == "preempted", text[-6000:]
     step = json.loads((run / "preempted.json").read_text())["step"]
     assert (run / "checkpoints" / f"step_{step:08d}" / "meta.json").exists()
 
@@ -141,13 +141,13 @@ def test_rank_frozen_mid_backward_is_named(tmp_path):
     # Rank 1 SIGSTOPs itself from a hook on its loss: inside autograd, in step 3. Rank 0's gradient
     # all-reduce times out after dist.timeout_s=10; the 45 s bound counts from the stop (start-up
     # on a loaded machine is not what is measured) and is under 10 s + torchrun's 30 s grace wait.
-    proc, seen = start(TORCHRUN_2, tmp_path / "run", "trainer.max_steps=20", "dist.timeout_s=10",
-                       "fault.kill_rank=1", "fault.at_step=3", "fault.mode=stop", "fault.phase=backward"), []
-    read_until(proc, "rank 1 stops itself (SIGSTOP) in step 3 (backward)", seen)
-    out = finish(proc, seen, timeout=45)
-    assert proc.returncode != 0
-    assert "RankStopped: rank 0 was in step 3 (backward) when its collective timed out" in out, out[-6000:]
-    assert "stopped: rank 1 in step 3 (backward): frozen (stopped by a signal or a debugger); killed" in out
+    proc, out = start(TORCHRUN_2, tmp_path / "run", "trainer.max_steps=20", "dist.timeout_s=10",
+                       "fault.kill_rank=1", "fault.at_step=3", "fault.mode=stop", "fault.phase=backward")
+    out.until("rank 1 stops itself (SIGSTOP) in step 3 (backward)")
+    text = finish(proc, out, timeout=45)
+    assert proc.returncode == 1  # torchrun's code once rank 0 named and killed the frozen rank and exited 1
+    assert "RankStopped: rank 0 was in step 3 (backward) when its collective timed out" in text, text[-6000:]
+    assert "stopped: rank 1 in step 3 (backward): frozen (stopped by a signal or a debugger); killed" in text
 
 
 def rank_pid(agent_pid: int, rank: int) -> int:
@@ -170,10 +170,10 @@ def rank_pid(agent_pid: int, rank: int) -> int:
 
 
 def test_rank_frozen_from_outside_is_named(tmp_path):
-    proc, seen = start(TORCHRUN_2, tmp_path / "run", "trainer.max_steps=1000", "dist.timeout_s=10"), []
-    read_until(proc, "step 3/1000 |", seen)
+    proc, out = start(TORCHRUN_2, tmp_path / "run", "trainer.max_steps=1000", "dist.timeout_s=10")
+    out.until("step 3/1000 |")
     os.kill(rank_pid(proc.pid, 1), signal.SIGSTOP)  # wherever it is: every step has a collective
-    out = finish(proc, seen, timeout=45)  # as above: 10 s + margin, under 10 s + torchrun's 30 s grace
-    assert proc.returncode != 0
-    assert "RankStopped: rank 0 was in step" in out, out[-6000:]
-    assert "stopped: rank 1 in step" in out and "frozen (stopped by a signal or a debugger); killed" in out
+    text = finish(proc, out, timeout=45)  # as above: 10 s + margin, under 10 s + torchrun's 30 s grace
+    assert proc.returncode == 1  # as above
+    assert "RankStopped: rank 0 was in step" in text, text[-6000:]
+    assert "stopped: rank 1 in step" in text and "frozen (stopped by a signal or a debugger); killed" in text

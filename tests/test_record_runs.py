@@ -1,6 +1,7 @@
 """One run, one record, with real jobs (zerolab/record.py; the rules in-process: test_record.py).
 
-One chain of launches, shared by the tests below (module fixture):
+One chain of launches, shared by the tests below (module fixture); the ranks run without torchrun
+(tests/ranks.py) except for the refusals, which are about what train.py and torchrun print:
   1. a finished 2-rank run: 10 steps, checkpoint.every=4 (it also checkpoints its last step);
   2. the same command again, as `python train.py` and under torchrun: refused (exit 2 on every
      rank), one message, nothing in the directory changed;
@@ -17,7 +18,7 @@ import re
 import pytest
 import torch
 
-from conftest import ROOT, load_weights, read_metrics, run_python, run_train, wandb_offline_runs
+from conftest import ROOT, load_weights, rank_log, read_metrics, run_python, run_ranks, run_train, wandb_offline_runs
 
 pytestmark = pytest.mark.slow
 
@@ -33,24 +34,25 @@ RESULTS = ("metrics.jsonl", "model.safetensors", "summary.json")
 def chain(tmp_path_factory):
     run = tmp_path_factory.mktemp("record") / "run"
     out = {"run": run}
-    run_train(run, 2, *COMMON, "trainer.max_steps=10")
+    run_ranks(run, 2, *COMMON, "trainer.max_steps=10")
     out["ckpts_after_first"] = sorted(p.name for p in (run / "checkpoints").glob("step_*"))
     out["bytes_before"] = {n: (run / n).read_bytes() for n in RESULTS}
     out["again_python"] = run_python(str(ROOT / "train.py"), f"run.dir={run}", *COMMON, "trainer.max_steps=10",
                                      "logging.wandb.mode=disabled", check=False, timeout=120)
-    out["again_torchrun"] = run_train(run, 2, *COMMON, "trainer.max_steps=10", check=False, timeout=120)
+    out["again_torchrun"] = run_train(run, 2, *COMMON, "trainer.max_steps=10", check=False, timeout=120, torchrun=True)
     out["bytes_after_refusals"] = {n: (run / n).read_bytes() for n in RESULTS}
-    run_train(run, 2, *COMMON, "trainer.max_steps=15", "checkpoint.resume=auto")
+    run_ranks(run, 2, *COMMON, "trainer.max_steps=15", "checkpoint.resume=auto")
     out["steps_resumed"] = [r["step"] for r in read_metrics(run)]
     out["weights_resumed"] = load_weights(run)
     step12 = run / "checkpoints" / "step_00000012"
     out["metrics_before_kill"] = (run / "metrics.jsonl").read_bytes()
-    out["killed"] = run_train(run, 2, *COMMON, "trainer.max_steps=15", f"checkpoint.resume={step12}",
+    out["killed"] = run_ranks(run, 2, *COMMON, "trainer.max_steps=15", f"checkpoint.resume={step12}",
                               "fault.kill_rank=0", "fault.at_step=12", "fault.mode=exit", "fault.phase=record_cut",
                               check=False, timeout=120)
+    out["killed_log"] = rank_log(run)
     out["metrics_after_kill"] = (run / "metrics.jsonl").read_bytes()
     out["temps_after_kill"] = sorted(p.name for p in run.glob("metrics.jsonl.tmp.*"))
-    run_train(run, 2, *COMMON, "trainer.max_steps=15", f"checkpoint.resume={step12}")
+    run_ranks(run, 2, *COMMON, "trainer.max_steps=15", f"checkpoint.resume={step12}")
     out["steps_recut"] = [r["step"] for r in read_metrics(run)]
     out["temps_after_recut"] = sorted(p.name for p in run.glob("metrics.jsonl.tmp.*"))
     out["weights_recut"] = load_weights(run)
@@ -82,8 +84,8 @@ def test_resume_auto_continues_a_finished_run_once_per_step(chain):
 
 
 def test_a_kill_inside_the_cut_leaves_the_old_record(chain):
-    proc = chain["killed"]
-    assert proc.returncode != 0 and "exits while cutting the record back" in proc.stderr, proc.stderr[-4000:]
+    codes = chain["killed"]
+    assert codes[0] == 1 and "exits while cutting the record back" in chain["killed_log"], chain["killed_log"][-4000:]
     assert chain["metrics_after_kill"] == chain["metrics_before_kill"]  # the old record, whole
     assert chain["temps_after_kill"]  # the kill really came between the write and the rename
     assert chain["steps_recut"] == list(range(1, 16)) and chain["temps_after_recut"] == []

@@ -2,11 +2,13 @@
 submitit sweep; nothing about Slurm is mocked.
 
 Needs root and Debian's slurm-wlm + munge (`make test` installs them when it runs as root with
-apt-get); otherwise every test here is skipped and the reason is printed. The cluster gets its own
+apt-get); otherwise every test here is skipped and the reason is printed, except on CI (CI=true),
+where a missing binary fails the suite naming it. The cluster gets its own
 state dir and ports, and is torn down at the end of the module.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -21,7 +23,7 @@ import pytest
 
 import torch
 
-from conftest import ROOT, base_env, load_weights, max_rel_diff, read_metrics, run_train
+from conftest import ROOT, Output, assert_same_weights, base_env, load_weights, missing, read_metrics, run_process, run_train
 
 pytestmark = pytest.mark.slow  # every test here starts processes (see conftest: tiers)
 
@@ -31,15 +33,27 @@ TRAIN = ["model=gpt_tiny", "model.bias=false", "data=text", "trainer.max_steps=5
          "logging.wandb.mode=disabled", "logging.progress=false"]
 
 
+# Every Slurm binary the tests and launch scripts run (Makefile's slurm-deps checks the same list).
+SLURM_BINARIES = ("munged", "slurmctld", "slurmd", "sbatch", "srun", "scontrol", "scancel", "squeue")
+
+
 def why_no_slurm() -> str | None:
     if os.geteuid() != 0:
         return "Slurm tests need root (slurmd starts job steps as the submitting user)"
-    missing = [c for c in ("munged", "slurmctld", "slurmd", "sbatch", "srun", "scontrol", "scancel")
-               if shutil.which(c) is None]
+    missing = [c for c in SLURM_BINARIES if shutil.which(c) is None]
     if missing:
         return (f"Slurm is not installed ({', '.join(missing)} not found); `make test` installs "
                 "slurm-wlm and munge when run as root with apt-get")
     return None
+
+
+def assert_job_ended(sbatch_code: int, log: str, status: str) -> None:
+    """launch/slurm.sbatch's last line says the status and the launch's exit code; the job (and so
+    `sbatch --wait`) exits with that code, or 1 where it was 0 (anything but completed fails)."""
+    found = re.findall(r"zerolab: (\w+) \(exit (\d+)\)", log)
+    assert found and found[-1][0] == status, log[-4000:]
+    rc = int(found[-1][1])
+    assert sbatch_code == (rc or 1), (sbatch_code, rc, log[-4000:])
 
 
 def free_port_pair() -> int:
@@ -63,7 +77,7 @@ def free_port_pair() -> int:
 def cluster():
     reason = why_no_slurm()
     if reason:
-        pytest.skip(reason)
+        missing(reason)  # a skip naming the reason; on CI a failure
     # Not under pytest's tmp dir: munged runs as the munge user and must reach its socket dir.
     state = Path(tempfile.mkdtemp(prefix="zerolab-slurm-", dir="/tmp"))
     state.chmod(0o755)
@@ -98,7 +112,7 @@ def running(pid: int) -> bool:
 def sbatch_wait(cluster, tmp: Path, *args: str, launch: str = "torchrun", sbatch_opts=(), timeout=300):
     env = dict(cluster["job_env"], ZEROLAB_LAUNCH=launch)
     cmd = ["sbatch", "--wait", "--parsable", f"--output={tmp}/slurm-%j.out", *sbatch_opts, str(SBATCH), *args]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    proc = run_process(cmd, env=env, timeout=timeout)
     job = proc.stdout.strip().split(";")[0]
     out = tmp / f"slurm-{job}.out"
     log = out.read_text() if out.exists() else "(no job output)"
@@ -148,16 +162,40 @@ def test_srun_ranks_without_torchrun_match(cluster, zero2_job, tmp_path):
     run = the_run_dir(tmp_path / "runs" / "default", f"*-zero2-job{job}")
     assert (run / "status").read_text().strip() == "completed"
     assert json.loads((run / "summary.json").read_text())["world_size"] == 2
-    diff = max_rel_diff(load_weights(run), load_weights(zero2_job[0]))
-    assert diff <= 1e-6, f"srun-started ranks vs torchrun ranks: max relative difference {diff:.3g}"
+    # Slurm starting the ranks instead of torchrun: the same ranks, data and sums, bit for bit.
+    assert_same_weights(load_weights(run), load_weights(zero2_job[0]), "srun-started ranks vs torchrun ranks")
 
 
 def test_failed_run_writes_failed(cluster, tmp_path):
     # Rank 1 exits abruptly before its first step; torchrun stops the other rank, srun and the job fail.
     proc, job, log = sbatch_wait(cluster, tmp_path, *TRAIN, f"run.dir={tmp_path}/run",
                                  "fault.kill_rank=1", "fault.at_step=0", "fault.mode=exit")
-    assert proc.returncode != 0, log
+    assert_job_ended(proc.returncode, log, "failed")
     assert (tmp_path / "run" / "status").read_text().strip() == "failed", log
+
+
+@contextlib.contextmanager
+def submitted(cmd, env):
+    """`sbatch --wait --parsable ...` started; yields (the sbatch process, the job id read from its
+    first line, with a deadline). The job is cancelled and sbatch killed if the block fails."""
+    sbatch = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    job = None
+    try:
+        head = Output(sbatch.stdout, timeout=60)  # its thread drains sbatch's output to the end
+        for _ in range(5):  # a warning line may come first
+            head.until("\n")
+            ids = [line.split(";")[0] for line in head.text.splitlines() if line.split(";")[0].isdigit()]
+            if ids:
+                break
+        assert ids, f"sbatch gave no job id:\n{head.text}"
+        job = ids[0]
+        yield sbatch, job
+    finally:
+        if sbatch.poll() is None:
+            if job:
+                subprocess.run(["scancel", job], env=env, timeout=30)
+            sbatch.kill()
+            sbatch.wait()
 
 
 def test_usr1_before_time_limit_writes_timeout(cluster, tmp_path):
@@ -166,33 +204,20 @@ def test_usr1_before_time_limit_writes_timeout(cluster, tmp_path):
     run = tmp_path / "run"
     env = dict(cluster["job_env"], ZEROLAB_LAUNCH="torchrun")
     # Rank 0 hangs before step 1 (after step 0 is logged): the job runs until it is stopped.
-    # The job's output goes into a FIFO the test reads with blocking reads: the fault's own
-    # message ("... fails before step 1") says training is under way, with no polling.
+    # The job's output goes into a FIFO the test reads (conftest.Output: every wait has a
+    # deadline): the fault's own message ("... fails before step 1") says training is under way.
     fifo = tmp_path / "job.out"
     os.mkfifo(fifo)
     cmd = ["sbatch", "--wait", "--parsable", f"--output={fifo}", str(SBATCH), *TRAIN,
            f"run.dir={run}", "trainer.max_steps=1000", "fault.kill_rank=0", "fault.at_step=1", "fault.mode=hang"]
-    sbatch = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    seen = b""
-    try:
-        job = sbatch.stdout.readline().strip().split(";")[0]
-        assert job, sbatch.stderr.read()
-        with open(fifo, "rb", buffering=0) as out:  # returns once the job opens its output
-            while b"zerolab fault injection: rank 0 fails before step 1" not in seen:
-                chunk = out.read(4096)
-                assert chunk, f"job ended before its first step: {seen.decode(errors='replace')[-3000:]}"
-                seen += chunk
-            subprocess.run(["scancel", "--signal=USR1", "--batch", job], env=env, check=True, timeout=30)
-            while chunk := out.read(4096):  # until the job closes its output
-                seen += chunk
+    with submitted(cmd, env) as (sbatch, job):
+        out = Output(fifo)
+        out.until("zerolab fault injection: rank 0 fails before step 1")
+        subprocess.run(["scancel", "--signal=USR1", "--batch", job], env=env, check=True, timeout=30)
+        log = out.rest(timeout=120)  # until the job closes its output
         sbatch.wait(timeout=120)
-    finally:
-        if sbatch.poll() is None:
-            subprocess.run(["scancel", job], env=env, timeout=30)
-            sbatch.kill()
-    log = seen.decode(errors="replace")
     assert read_metrics(run), log  # step 0 was logged before the hang
-    assert sbatch.returncode != 0, log
+    assert_job_ended(sbatch.returncode, log, "timeout")
     assert (run / "status").read_text().strip() == "timeout", log
 
 
@@ -201,7 +226,7 @@ def test_submitit_sweep_one_job_per_strategy(cluster, tmp_path):
     that find each other through zerolab.dist's SLURM_* path."""
     cmd = [sys.executable, str(ROOT / "train.py"), "-m", "launcher=slurm", "strategy=ddp,zero2", *TRAIN,
            f"run.root={tmp_path}/runs", f"hydra.sweep.dir={tmp_path}/sweep"]
-    proc = subprocess.run(cmd, cwd=ROOT, env=cluster["job_env"], capture_output=True, text=True, timeout=600)
+    proc = run_process(cmd, env=cluster["job_env"], timeout=540)
     logs = "\n".join(p.read_text()[-3000:] for p in (tmp_path / "sweep").glob(".submitit/*/*.out"))
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}\n{logs}"
     jobs = set()
@@ -226,31 +251,15 @@ def test_usr1_warning_saves_requeues_and_resumes(cluster, tmp_path):
     fifo = tmp_path / "job.out"
     os.mkfifo(fifo)
     cmd = ["sbatch", "--wait", "--parsable", f"--output={fifo}", str(SBATCH), *TRAIN, *steps, f"run.dir={run}"]
-    sbatch = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    attempts = []
-    try:
-        job = sbatch.stdout.readline().strip().split(";")[0]
-        assert job, sbatch.stderr.read()
-        with open(fifo, "rb", buffering=0) as out:  # attempt 1: returns once the job opens its output
-            seen = b""
-            while b"step 2/12 |" not in seen:  # rank 0 logged step 2: training is under way
-                chunk = out.read(4096)
-                assert chunk, f"job ended before step 2: {seen.decode(errors='replace')[-3000:]}"
-                seen += chunk
-            subprocess.run(["scancel", "--signal=USR1", "--batch", job], env=env, check=True, timeout=30)
-            while chunk := out.read(4096):  # until the first start closes its output
-                seen += chunk
-        attempts.append(seen.decode(errors="replace"))
-        assert f"requeueing job {job}" in attempts[0], attempts[0][-4000:]
+    with submitted(cmd, env) as (sbatch, job):
+        out = Output(fifo)  # attempt 1: the reading thread's open returns once the job opens its output
+        out.until("step 2/12 |")  # rank 0 logged step 2: training is under way
+        subprocess.run(["scancel", "--signal=USR1", "--batch", job], env=env, check=True, timeout=30)
+        first = out.rest(timeout=120)  # until the first start closes its output
+        assert f"requeueing job {job}" in first, first[-4000:]
         # Slurm holds a requeued job for cred_expire + 1 s (its BeginTime; 30 s in local_slurm.sh).
-        with open(fifo, "rb", buffering=0) as out:  # attempt 2: the requeued start opens it again
-            attempts.append(b"".join(iter(lambda: out.read(4096), b"")).decode(errors="replace"))
+        second = Output(fifo).rest(timeout=240)  # attempt 2: the requeued start opens it again
         sbatch.wait(timeout=120)
-    finally:
-        if sbatch.poll() is None:
-            subprocess.run(["scancel", job], env=env, timeout=30)
-            sbatch.kill()
-    first, second = attempts
     assert "zerolab: preempted" in first, first[-4000:]
     saved = int(re.search(r"stopped after step (\d+) of 12 on SIGTERM", first).group(1))
     assert f"resumed at step {saved}" in second and "zerolab: completed" in second, second[-4000:]

@@ -12,7 +12,7 @@ import pytest
 from conftest import generated_corpus_bytes
 from zerolab.config import ConfigError, DataConfig, compose
 from zerolab.data import (TokenData, WindowSampler, check_data, check_token_file, dtype_for_vocab, prepare,
-                          prepare_tokens, read_sidecar, scan_max, sidecar_path, write_sidecar)
+                          prepare_tokens, read_sidecar, scan_max, write_sidecar)
 from zerolab.data.cli import cli_main
 
 EOT = "<|endoftext|>"

@@ -22,12 +22,11 @@ Tolerances (per tensor ‖Δ‖₂/‖w‖₂, the largest over tensors):
           within one bf16 ulp (2^-8) of DDP-bf16: measured 3.5e-4, 11x below.
 """
 import json
-import subprocess
 
 import pytest
 from safetensors.torch import load_file
 
-from conftest import ROOT, TORCHRUN, base_env, fixed_corpus, rel_l2_diff
+from conftest import ROOT, TORCHRUN, fixed_corpus, rel_l2_diff, run_process
 
 pytestmark = pytest.mark.slow  # every test here starts processes (see conftest: tiers)
 
@@ -66,7 +65,7 @@ def world(request, tmp_path_factory):
     out = tmp_path_factory.mktemp(f"zero_w{n}")
     cmd = [*TORCHRUN, "--standalone", f"--nproc_per_node={n}", str(ROOT / "tests/workers/zero_parity.py"),
            str(out), "20", ",".join(CASES[n]), str(fixed_corpus())]
-    proc = subprocess.run(cmd, cwd=ROOT, env=base_env(), capture_output=True, text=True, timeout=600)
+    proc = run_process(cmd, timeout=540)
     assert proc.returncode == 0, proc.stderr[-6000:]
     results = json.loads((out / "results.json").read_text())
     return n, out, results["results"]
@@ -133,8 +132,9 @@ def test_bf16_master_weights_match_ddp_at_bf16_noise(world):
 
 @pytest.mark.parametrize("world", worlds_with(anything), indirect=True)
 def test_optimizer_memory_is_one_nth_of_ddp(world):
-    """Per rank: Adam's m and v (8 B/param) and the fp32 master (4 B/param) are 1/N of the
-    whole, up to padding (< N elements per bucket); zero2 keeps only an fp32 gradient shard."""
+    """Per rank: Adam's m and v (8 B/param) and, in bf16, the fp32 master (4 B/param) are 1/N of
+    the whole, up to padding (< N elements per bucket); in fp32 there is no master copy (the shard
+    is a view of the owned weights); zero2 keeps only a gradient shard."""
     n, out, results = world
     for case in CASES[n]:
         psi = results[f"{case}/ddp"]["n_params"]
@@ -146,14 +146,30 @@ def test_optimizer_memory_is_one_nth_of_ddp(world):
             for rank in results[f"{case}/{strategy}"]["per_rank"]:
                 mem = rank["memory"]
                 assert 0 <= mem["optim_state"] * n - 8 * psi <= padding * n
-                assert 0 <= mem["master"] * n - 4 * psi <= padding * n
                 if ":bf16:" in case:  # same 12 B/param as DDP-bf16's master + m + v, over N
+                    assert 0 <= mem["master"] * n - 4 * psi <= padding * n
                     assert abs((mem["optim_state"] + mem["master"]) * n - (ddp["optim_state"] + ddp["master"])) <= padding * n
+                else:
+                    assert mem["master"] == 0, mem  # the shard is the owned chunk of the fp32 weights
                 if strategy == "zero2":
                     bucket_bytes = 0.05 * 2**20  # strategy.bucket_mb in the worker
                     assert mem["grads"] <= 4 * psi / n + bucket_bytes + padding
-                else:  # zero1 keeps the full compute-dtype gradients plus its fp32 shard
+                elif ":bf16:" in case:  # zero1 keeps the full compute-dtype gradients plus its fp32 shard
                     assert mem["grads"] >= ddp["grads"] + 4 * psi / n
+                else:  # in fp32 the shard is the owned chunk of the whole gradients: those alone (padded)
+                    assert 0 <= mem["grads"] - ddp["grads"] <= padding / 3, mem
+
+
+MAX_BUCKETS = 64  # gpt_tiny/mlp at strategy.bucket_mb=0.05 (13,107 fp32 elements a bucket) have fewer
+
+
+def comm_slack(n: int, collectives: int) -> float:
+    """Bytes per rank by which a sharder's step may exceed its multiple of DDP's 2Ψ(N−1)/N x 4:
+    each bucket is padded by fewer than N elements (4 bytes each) in every one of `collectives`
+    bucketed collectives (reduce-scatters and the all-gather), plus two small all-reduces: the clip
+    norm's sum of squares (one element) and, on a logged step, the per-tensor update and weight
+    sums of squares (two per tensor, fewer than 64 tensors), fp64, ring cost 2 x 8(N−1)/N each."""
+    return (collectives * 4 * n * MAX_BUCKETS + 2 * 8 * (1 + 2 * MAX_BUCKETS)) * (n - 1) / n
 
 
 @pytest.mark.parametrize("world", worlds_with(anything), indirect=True)
@@ -166,7 +182,8 @@ def test_comm_bytes_equal_ddp(world):
         ddp = results[f"{case}/ddp"]["per_rank"][0]["comm"][-1]
         for strategy in ("zero1", "zero2"):
             for rank in results[f"{case}/{strategy}"]["per_rank"]:
-                assert abs(rank["comm"][-1] / ddp - 1) < 0.01, (strategy, case, rank["comm"][-1], ddp)
+                # one reduce-scatter and one all-gather of the padded buckets: 2Ψ_padded(N−1)/N
+                assert 0 <= rank["comm"][-1] - ddp <= comm_slack(n, 2), (strategy, case, rank["comm"][-1], ddp)
 
 
 @pytest.mark.parametrize("world", [n for n in worlds_with(accumulates) if n > 1], indirect=True)
@@ -176,5 +193,6 @@ def test_zero2_accumulation_communicates_every_micro_batch(world):
         ddp = results[f"{case}/ddp"]["per_rank"][0]["comm"][-1]
         z1 = results[f"{case}/zero1"]["per_rank"][0]["comm"][-1]
         z2 = results[f"{case}/zero2"]["per_rank"][0]["comm"][-1]
-        assert abs(z1 / ddp - 1) < 0.01  # zero1: once per optimizer step, like DDP
-        assert abs(z2 / ddp - 2.5) < 0.03  # zero2: 4 reduce-scatters (½ each) + 1 all-gather (½)
+        assert 0 <= z1 - ddp <= comm_slack(n, 2)  # zero1: once per optimizer step, like DDP
+        # zero2: 4 reduce-scatters (½ of DDP's each) + 1 all-gather (½): 2.5x, plus its padding
+        assert 0 <= z2 - 2.5 * ddp <= comm_slack(n, 5), (z2, ddp)

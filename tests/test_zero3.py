@@ -13,13 +13,12 @@ Tolerances (per tensor ‖Δ‖₂/‖w‖₂, the largest over tensors, as test
   bf16  see test_bf16_and_fp16_match_ddp_at_their_noise.
 """
 import json
-import subprocess
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import ROOT, TORCHRUN, base_env, fixed_corpus, rel_l2_diff
+from conftest import ROOT, TORCHRUN, fixed_corpus, rel_l2_diff, run_process
 from zerolab.config import compose
 from zerolab.models import build_model, lm_loss
 from zerolab.trainer import Trainer
@@ -199,7 +198,7 @@ def world(request, tmp_path_factory):
     out = tmp_path_factory.mktemp(f"zero3_w{n}")
     cmd = [*TORCHRUN, "--standalone", f"--nproc_per_node={n}", str(ROOT / "tests/workers/zero3_parity.py"),
            str(out), str(STEPS), ",".join(CASES[n]), str(fixed_corpus())]
-    proc = subprocess.run(cmd, cwd=ROOT, env=base_env(), capture_output=True, text=True, timeout=900)
+    proc = run_process(cmd, timeout=540)
     assert proc.returncode == 0, proc.stderr[-6000:]
     data = json.loads((out / "results.json").read_text())
     return n, out, data["results"], data["clip"]
@@ -235,13 +234,23 @@ def test_fp32_weights_equal_ddp(world):
             assert all(rank["live"] == 0 and rank["live_after_eval"] == 0 for rank in r["per_rank"])
 
 
+def slack(n: int, collectives: int, case: str) -> float:
+    """Bytes per rank a step may send beyond 3Ψ(N−1)/N x 4 (2Ψ without resharding), per micro-batch:
+    fewer than N elements of padding per bucket (under 64 buckets) in each bucketed collective, and
+    the small all-reduces of fp64 sums of squares: the clip norm's (LAMB: also a per-tensor vector,
+    fewer than 64 elements) and, on a logged step, the update and weight sums per tensor (2 x 64),
+    ring cost (N−1)/N."""
+    norms = 1 + 2 * 64 + (64 if ":lamb:" in case else 0)
+    return (collectives * 4 * n * 64 + 2 * 8 * norms) * (n - 1) / n
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("world", sorted(CASES), indirect=True)
 def test_comm_is_two_all_gathers_and_one_reduce_scatter(world):
     """Per rank per micro-batch: forward and backward all-gather Ψ each, one reduce-scatter of Ψ:
     3Ψ(N-1)/N x 4 bytes in fp32 (2Ψ with reshard_after_forward=false); with accumulation every
-    micro-batch does it. Within 1%: padding (< N elements per bucket) and the clip norm's one-element
-    all-reduce (LAMB: one per-tensor norm vector per group) are all that is added."""
+    micro-batch does it. Above that, only padding (< N elements per bucket) and the clip norm's
+    all-reduce (LAMB: one per-tensor norm vector per group): `slack` bounds both."""
     n, out, results, _ = world
     for case in fp32_cases(n):
         psi = results[f"{case}/ddp"]["n_params"]
@@ -255,8 +264,9 @@ def test_comm_is_two_all_gathers_and_one_reduce_scatter(world):
                     if n == 1:
                         assert step["total"] == 0
                         continue
-                    assert abs(step["total"] / expected - 1) < 0.01, (case, label, step, expected)
-                    assert abs(step["all_gather"] / (gathers * step["reduce_scatter"]) - 1) < 0.01
+                    assert 0 <= step["total"] - expected <= slack(n, accum * (gathers + 1), case), (case, label, step)
+                    # all-gathers and reduce-scatters move the same padded buckets
+                    assert step["all_gather"] == gathers * step["reduce_scatter"], (case, label, step)
 
 
 @pytest.mark.slow
@@ -280,15 +290,17 @@ def test_model_states_are_one_nth(world):
 @pytest.mark.parametrize("world", [2], indirect=True)
 def test_bf16_and_fp16_match_ddp_at_their_noise(world):
     """bf16: on 2 ranks without accumulation zero3 and DDP-bf16 sum the same two bf16 numbers; a
-    1-ulp difference in an fp32 master can still round a bf16 weight the other way, so they agree
-    within one bf16 ulp (2^-8), not fp32's 1e-6 (tests/test_zero.py: zero2 measured 3.5e-4; zero3
-    measured 1.1e-6 after these 20 steps). The master is 4 bytes per element, the weights and the
-    gradient shard 2 (reduce_dtype=auto: the shard holds what the bf16 reduce-scatter delivers).
-    fp16: the same argument with fp16's ulp (2^-11 = 4.9e-4; measured 5.9e-5, 8x below). The inf injected on rank 0 at
-    step 3 makes every rank of both strategies skip exactly that step."""
+    1-ulp difference in an fp32 master can still round a bf16 weight the other way (one bf16 ulp,
+    2^-8 relative, in that element), so over 20 steps they agree within one bf16 ulp per tensor
+    (relative L2), not bitwise: measured 1.4e-4 on 2026-12-01 (the same on e0711d1), 28x under the
+    bound 2^-8 = 3.9e-3; a wrong reduction or update misses it by far more than an ulp per
+    element. The master is 4 bytes per element, the weights and the gradient shard 2
+    (reduce_dtype=auto: the shard holds what the bf16 reduce-scatter delivers). fp16: the same
+    argument with fp16's ulp (2^-11 = 4.9e-4; measured 5.0e-5 on 2026-12-01, 10x below). The inf injected on rank
+    0 at step 3 makes every rank of both strategies skip exactly that step."""
     n, out, results, _ = world
     bf16 = "1:adamw:bf16"
-    assert rel_l2_diff(weights(out, bf16, "zero3"), weights(out, bf16, "ddp")) < 2 ** -8
+    assert rel_l2_diff(weights(out, bf16, "zero3"), weights(out, bf16, "ddp")) < 2 ** -8  # 28x the measured 1.4e-4
     assert rel_l2_diff(weights(out, bf16, "ddp"), weights(out, "1:adamw:fp32+noreshard", "ddp")) > FP32_TOL  # bf16 ran
     psi = results[f"{bf16}/ddp"]["n_params"]
     for rank in results[f"{bf16}/zero3"]["per_rank"]:

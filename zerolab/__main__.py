@@ -11,6 +11,7 @@ COMMANDS = {
     "lr": ("zerolab.optim.cli:lr_main", "the peak learning rate a batch-size scaling rule gives"),
     "optim-state": ("zerolab.memory.cli:optim_state_main", "state elements per parameter each optimizer keeps, measured"),
     "memory": ("zerolab.memory:cli_main", "predicted bytes per rank by category, for any model, strategy and world size"),
+    "dry-run": ("zerolab.rehearsal:cli_main", "rehearse rank R of an N-rank job in one process on fake tensors: the memory a real run counts, beside the ledger"),
     "plan": ("zerolab.plan:cli_main", "will it fit: largest micro-batch and peak per rank for each strategy, under a GPU's memory"),
     "compare": ("zerolab.report:cli_main", "compare run or sweep directories: tables, parity, figures"),
     "export": ("zerolab.checkpoint:export_main", "consolidated safetensors weights from a (sharded) checkpoint"),

@@ -8,9 +8,11 @@ out every storage that belongs to a parameter or buffer of the model when the me
 any saved tensor that is an nn.Parameter or a view of one (FSDP2's unsharded parameters and
 DeepSpeed stage 3's gathered ones have storages the model did not hold when the meter started).
 Blocks run under activation checkpointing save nothing through the hooks (torch's checkpoint
-swaps in its own); the block's input, which checkpoint keeps alive to recompute the block, is
-reported by zerolab.models.gpt through `keep_for_backward`, so the meter sees what backward
-really holds. Outside a meter the hooks do not exist and cost nothing.
+swaps in its own); the block's inputs, which checkpoint keeps alive to recompute the block, are
+reported through `keep_for_backward` (zerolab.models.recompute, for zerolab's GPT and any other
+model's blocks alike), so the meter sees what backward really holds. The measured side works for
+any model; the prediction below is for zerolab's own models only (a transformers or custom model
+has no prediction: the monitor leaves it out). Outside a meter the hooks do not exist and cost nothing.
 
 What the meter does not see: the logits and other temporaries of the forward that are not saved
 (zerolab.plan counts them as transient), and gradients. Measured on CPU here (torch 2.13); on

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from typing import List, Optional
 
 from omegaconf import DictConfig, OmegaConf
@@ -39,6 +40,7 @@ def validate(cfg: DictConfig | Config, world_size: Optional[int] = None) -> Conf
     _check_optim(cfg.optim)
     _check_trainer(cfg)
     _check_run(cfg, world)
+    _check_profile(cfg, world)
     _choice("strategy.name", cfg.strategy.name, sorted(REGISTRY))
     _positive("strategy.bucket_mb", cfg.strategy.bucket_mb)
     _choice("strategy.reduce_dtype", cfg.strategy.reduce_dtype, ("auto", "fp32"))
@@ -58,9 +60,20 @@ def _check_model(m: ModelConfig) -> None:
         raise ConfigError(f"model.dropout={m.dropout} must be in [0, 1)")
     _choice("model.activation_checkpointing", m.activation_checkpointing, ("none", "blocks", "every_k"))
     _positive("model.checkpoint_every_k", m.checkpoint_every_k)
-    if m.kind != "gpt" and m.activation_checkpointing != "none":
-        raise ConfigError(f"model.activation_checkpointing={m.activation_checkpointing} applies to GPT blocks only; "
-                          f"model.kind={m.kind} has none: use model.activation_checkpointing=none")
+    if m.kind == "mlp" and m.activation_checkpointing != "none":
+        raise ConfigError(f"model.activation_checkpointing={m.activation_checkpointing} recomputes a model's repeated "
+                          "blocks (among zerolab's own models: GPT blocks only); model.kind=mlp has none: use "
+                          "model.activation_checkpointing=none")
+    # The user's models (docs/models.md); what needs their files or code is checked before any rank
+    # trains (zerolab.models.preflight, from zerolab/job.py and launch/run_dir.py).
+    if m.kind == "hf" and not m.config:
+        raise ConfigError("model=hf needs model.config=PATH: a config.json, a saved model's directory, or a hub id "
+                          "in the local Hugging Face cache")
+    if m.kind == "custom" and not re.fullmatch(r"[\w.]+:[\w.]+", m.target):
+        raise ConfigError(f"model=custom needs model.target=pkg.module:Name (a class or factory of an nn.Module on "
+                          f"the Python path), got {m.target!r}")
+    if m.blocks and not re.fullmatch(r"\w+(\.\w+)*", m.blocks):
+        raise ConfigError(f"model.blocks={m.blocks!r} must be a dotted module path such as model.layers")
 
 
 def _check_data(cfg: Config) -> None:
@@ -125,6 +138,27 @@ def _check_run(cfg: Config, world: int) -> None:
         raise ConfigError(f"fault.phase={RECORD_CUT} goes with fault.mode=exit (got fault.mode={f.mode})")
 
 
+def _check_profile(cfg: Config, world: int) -> None:
+    """profile.steps, the peak for MFU and the straggler fault (zerolab/profile.py)."""
+    p, t, f = cfg.profile, cfg.trainer, cfg.fault
+    outside = [s for s in p.steps if not 1 <= s <= t.max_steps]
+    if outside:
+        raise ConfigError(f"profile.steps={list(p.steps)}: {outside} not in 1..trainer.max_steps={t.max_steps} "
+                          "(optimizer steps, counted from 1 as in metrics.jsonl)")
+    if len(set(p.steps)) != len(p.steps):
+        raise ConfigError(f"profile.steps={list(p.steps)} names a step twice")
+    if p.trace and not p.steps:
+        raise ConfigError("profile.trace=true traces the profiled steps, and profile.steps is empty: "
+                          "name them too, e.g. profile.steps=[5,6]")
+    _positive("trainer.peak_flops", t.peak_flops, allow_zero=True)
+    _positive("fault.slow_ms", f.slow_ms, allow_zero=True)
+    if f.slow_rank >= world:
+        raise ConfigError(f"fault.slow_rank={f.slow_rank} but the job has {world} ranks")
+    if (f.slow_rank >= 0) != (f.slow_ms > 0) or (f.slow_rank >= 0 and f.at_step < 0):
+        raise ConfigError(f"a slow rank needs all of fault.slow_rank=R, fault.slow_ms=M > 0 and fault.at_step=S "
+                          f"(0-based; got slow_rank={f.slow_rank}, slow_ms={f.slow_ms:g}, at_step={f.at_step})")
+
+
 # ---- settings that have no effect -------------------------------------------------------------
 _warned: set = set()  # (key, value, what decided) already warned about in this process
 
@@ -169,8 +203,9 @@ def warn_unused_settings(cfg: Config, strategy) -> list[str]:
     return said
 
 
-def compose(overrides: List[str] = (), config_dir: Optional[str] = None) -> Config:
-    """Compose and validate a config outside @hydra.main (tests, benchmarks, CLI tools)."""
+def compose(overrides: List[str] = (), config_dir: Optional[str] = None, world_size: Optional[int] = None) -> Config:
+    """Compose and validate a config outside @hydra.main (tests, benchmarks, CLI tools), for
+    `world_size` ranks (default: the launcher's WORLD_SIZE, else 1)."""
     from hydra import compose as hydra_compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
@@ -178,4 +213,4 @@ def compose(overrides: List[str] = (), config_dir: Optional[str] = None) -> Conf
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=config_dir, version_base="1.3"):
         dcfg = hydra_compose(config_name="config", overrides=list(overrides))
-    return validate(dcfg)
+    return validate(dcfg, world_size)

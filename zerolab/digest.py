@@ -23,6 +23,7 @@ from typing import Callable, Optional
 import torch
 
 from zerolab.atomic import atomic_path
+from zerolab.errors import ConfigError
 from zerolab.models import build_model, lm_loss
 
 DIGEST_BATCHES = 2  # fixed validation batches ...
@@ -59,7 +60,12 @@ def noise_mask(grad64: torch.Tensor, grad32: torch.Tensor) -> torch.Tensor:
 
 
 def _probe_grads(model_cfg, weights: dict[str, torch.Tensor], batches: list, dtype) -> Optional[dict]:
-    probe = build_model(model_cfg, device="cpu").to(dtype)
+    # Any model source rebuilds from its config (model=hf from its config.json, model=custom from
+    # its target), without model.weights: the run's final weights are loaded below.
+    try:
+        probe = build_model(model_cfg, device="cpu", weights=False).to(dtype)
+    except ConfigError:  # the source no longer resolves here (a moved config, a target off the path)
+        return None
     if sum(p.numel() for p in probe.parameters()) > PROBE_MAX_PARAMS:
         return None
     try:

@@ -33,10 +33,22 @@ class DistContext:
     # agreement): on NCCL a device tensor read back on the host would wait for the whole step.
     # Created for every multi-rank run, so the CPU tests run the code CUDA runs.
     host_group: Optional[Any] = None
+    # A dry run (zerolab.rehearsal): the group is torch's fake one, whose collectives move nothing,
+    # and tensors are fake. The few places that read data across ranks ask this.
+    rehearsal: bool = False
+    _mesh: Optional[Any] = None
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+    def device_mesh(self):
+        """The 1-D DeviceMesh over every rank (FSDP2's), built once."""
+        if self._mesh is None:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            self._mesh = init_device_mesh(self.device.type, (self.world_size,))
+        return self._mesh
 
     def barrier(self) -> None:
         dist.barrier()

@@ -6,6 +6,9 @@ freezes rank R *inside* step S with SIGSTOP, in `fault.phase` (forward, backward
 while autograd runs, or optimizer), as a deadlocked kernel or a frozen node would. Faults fire
 only in the first attempt of a torchrun job (TORCHELASTIC_RESTART_COUNT=0), so a group that
 torchrun restarts resumes and finishes instead of failing again.
+`fault.slow_rank=R fault.slow_ms=M fault.at_step=S` makes rank R a straggler instead: it spends M
+ms of host time inside step S, before its first forward (in every attempt; profile.steps shows the
+others waiting for it, zerolab/profile.py).
 
 When a rank stops, the others wait in their next collective until dist.timeout_s and then get an
 error from gloo/NCCL that says "timed out" or "connection closed" but not *who* stopped. Every
@@ -54,6 +57,7 @@ class FaultInjector:
         """`cfg` was validated (zerolab.config: modes, phases, kill_rank < world_size)."""
         self.cfg, self.rank = cfg, rank
         self.armed = cfg.kill_rank == rank and cfg.at_step >= 0 and restart_count() == 0
+        self.slowed = -1  # the step a slow rank was last slowed in (fault.slow_rank: once per step)
 
     def _stop_now(self, step: int, phase: str) -> None:
         print(f"zerolab fault injection: rank {self.rank} stops itself (SIGSTOP) in step {step} ({phase})",
@@ -63,6 +67,9 @@ class FaultInjector:
     def in_phase(self, step: int, phase: str, loss: "torch.Tensor | None" = None) -> None:
         """fault.mode=stop: freeze in this phase of the chosen step. For backward, `loss` gets a
         hook, so the process stops while autograd is running, not before it starts."""
+        if phase == "forward" and self.rank == self.cfg.slow_rank and step == self.cfg.at_step != self.slowed:
+            self.slowed = step  # the first micro-batch's forward only
+            time.sleep(self.cfg.slow_ms / 1000)  # host time inside the step: a straggler (fault.slow_rank)
         if not self.armed or self.cfg.mode != "stop" or step != self.cfg.at_step or phase != self.cfg.phase:
             return
         self.armed = False  # once (a hook on every micro-batch's loss would fire again)

@@ -20,15 +20,27 @@ from zerolab.config import Config, ConfigError, validate
 from zerolab.data import check_data
 from zerolab.errors import ZerolabError, report
 from zerolab.fault import RankStopped, stop_now
+from zerolab.models import preflight
+from zerolab.results import save_model_config
+from zerolab.strategies import strategy_class
 from zerolab.trainer import Trainer
 
 log = logging.getLogger("zerolab")
+
+
+def model_preflight(cfg: Config) -> None:
+    """A user's model (model=hf, model=custom) is resolved, built on the meta device and checked
+    against what the strategy needs (zerolab.models.preflight); model.vocab_size becomes model=hf's
+    own, before the data is checked against it. ConfigError otherwise. Also launch/run_dir.py's."""
+    needs = getattr(strategy_class(cfg.strategy.name), "needs_blocks", False)
+    preflight(cfg.model, needed_by=f"strategy={cfg.strategy.name}" if needs else "")
 
 
 def run(dcfg: DictConfig | Config) -> Optional[dict]:
     try:  # before any process group exists: every rank finds the same, and rank 0 alone says it
         cfg = validate(dcfg)
         check_resume_path(cfg.checkpoint.resume)
+        model_preflight(cfg)  # the user's model: its config, code, window, blocks and weights
     except ConfigError as err:
         err.before_ranks_meet = True  # zerolab.errors.exit_for
         raise
@@ -43,6 +55,8 @@ def run(dcfg: DictConfig | Config) -> Optional[dict]:
         run_dir, lock = rundir.claim(cfg, ctx)
         try:
             trainer = Trainer(cfg, ctx, run_dir=run_dir)
+            if ctx.is_main:  # config.json beside the weights and checkpoints: from_pretrained(run_dir)
+                save_model_config(cfg.model, run_dir)
         except BaseException:
             # A start that fails leaves nothing behind: the directory goes if this job created it
             # (a run.dir that existed before, with its checkpoints, is kept).

@@ -91,6 +91,19 @@ class FinalFiles:
             f"`python -m zerolab compare` reads what was written.")
 
 
+def save_model_config(model_cfg, run_dir: str) -> bool:
+    """config.json of a model=hf run (rank 0, when the trainer is built, before the first step): with
+    model.safetensors, whose keys are the model's own parameter names, the run directory is a
+    directory AutoModelForCausalLM.from_pretrained loads; a checkpoint of the run exports with it
+    (`python -m zerolab export CKPT --format hf`). Other models have no transformers config."""
+    if model_cfg.kind != "hf":
+        return False
+    from zerolab.models.sources import hf_config_json
+
+    atomic_write_json(os.path.join(run_dir, "config.json"), hf_config_json(model_cfg))
+    return True
+
+
 def run_summary(cfg, ctx, *, n_params: int, global_batch: int, loss: float, eval_loss: Optional[float],
                 step_times: list[float], skipped: int, run_dir: str, metrics_path: str, memory: dict) -> dict:
     """summary.json: what the run was, how it ended, how long its steps took, its memory."""

@@ -49,21 +49,43 @@ GPT = _only("model.kind", "gpt")
 FP16 = _only("precision.name", "fp16")
 
 
+HF = _only("model.kind", "hf")
+USERS = _only("model.kind", "hf", "custom")  # models zerolab did not write (docs/models.md)
+
+
 @dataclass
 class ModelConfig:
     name: str = MISSING  # label used in logs, e.g. gpt_tiny
-    kind: str = "gpt"  # gpt | mlp
+    # gpt | mlp (zerolab's own) | hf (a transformers causal LM) | custom (any nn.Module): docs/models.md
+    kind: str = "gpt"
+    # model=hf: taken from the config (model.vocab_size need not be set); model=custom: the V of
+    # the [B, T, V] logits the module returns
     vocab_size: int = 256
-    block_size: int = 64
+    block_size: int = 64  # the training window; model=hf: at most the config's position limit
+    # hf: a config.json, a directory holding one (a saved model), or a hub id found in the local
+    # Hugging Face cache (zerolab never downloads)
+    config: str = setting("", applies=HF)
+    # hf, custom: start from these weights (a .safetensors file, or a saved-model directory,
+    # sharded index included), keyed by the model's own parameter names; empty: initialised from
+    # trainer.seed, the same under every strategy and world size
+    weights: str = setting("", applies=USERS)
+    # custom: pkg.module:Name, a class or factory on the Python path returning an nn.Module that
+    # maps token ids [B, T] to logits [B, T, V] (or an object with .logits), built with `kwargs`
+    target: str = setting("", applies=_only("model.kind", "custom"))
+    kwargs: Dict[str, Any] = setting(applies=_only("model.kind", "custom"), factory=dict)
+    # The repeated blocks (what zero3 gathers, fsdp wraps, activation checkpointing recomputes):
+    # a dotted module path (e.g. model.layers); empty: found automatically (zerolab/models/units.py)
+    blocks: str = ""
     # gpt
     n_layer: int = setting(2, applies=GPT)
     n_head: int = setting(2, applies=GPT)
     n_embd: int = setting(64, applies=GPT)
     bias: bool = setting(True, applies=GPT)
     dropout: float = setting(0.0, applies=GPT)
-    # Activation checkpointing of GPT blocks (torch's non-reentrant checkpoint, RNG preserved):
-    # none | blocks (every block) | every_k (blocks 0, k, 2k, ...: one block in k recomputes)
-    activation_checkpointing: str = setting("none", applies=GPT)
+    # Activation checkpointing of the model's blocks (model.blocks; torch's non-reentrant
+    # checkpoint, RNG preserved): none | blocks (every block) | every_k (blocks 0, k, 2k, ...: one
+    # block in k recomputes). Any model with blocks: gpt, hf, custom (mlp has none)
+    activation_checkpointing: str = "none"
     checkpoint_every_k: int = setting(2, applies=_only("model.activation_checkpointing", "every_k"))
     # mlp: embedding -> `mlp_depth` hidden layers of width `mlp_hidden` -> logits
     mlp_hidden: int = setting(128, applies=_only("model.kind", "mlp"))
@@ -147,6 +169,9 @@ class TrainerConfig:
     # A run that skipped more than this share of its steps (fp16 overflows, trainer.nonfinite=skip)
     # fails after writing summary.json; one that applied no update at all always fails. 1: only that.
     max_skipped_share: float = 0.5
+    # The device's peak FLOP/s, for MFU (zerolab/profile.py). 0: NVIDIA's data-sheet figure for a GPU
+    # it knows, else one short matmul measured at start on every rank, in the run's compute dtype
+    peak_flops: float = 0.0
 
 
 @dataclass
@@ -200,6 +225,21 @@ class FaultConfig:
     phase: str = "backward"
     inf_grad_step: int = -1  # put an inf into one gradient at this step (loss-scaling tests)
     inf_grad_rank: int = 0
+    # A straggler: rank slow_rank spends slow_ms ms of host time inside step at_step (0-based),
+    # before its first forward; counted in that step's time (profile.steps shows where it lands)
+    slow_rank: int = -1
+    slow_ms: float = 0.0
+
+
+@dataclass
+class ProfileConfig:
+    """Where the step goes (zerolab/profile.py, docs/profile.md). Off by default, and off costs nothing."""
+    # 1-based optimizer steps (as in metrics.jsonl) to split into compute, optimizer, exposed
+    # communication and other on every rank; each is logged. Empty: no profiling
+    steps: List[int] = field(default_factory=list)
+    # also a Chrome trace per rank of each run of consecutive profiled steps:
+    # <run dir>/traces/steps<first>-<last>-rank<r>.json.gz (gzip JSON, opens in Perfetto)
+    trace: bool = False
 
 
 @dataclass
@@ -215,6 +255,7 @@ class Config:
     run: RunConfig = field(default_factory=RunConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     fault: FaultConfig = field(default_factory=FaultConfig)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
     experiment: str = "default"
 
 
@@ -224,7 +265,7 @@ def register_configs() -> None:
 
 register_configs()
 
-MODEL_KINDS = ("gpt", "mlp")
+MODEL_KINDS = ("gpt", "mlp", "hf", "custom")
 DATA_KINDS = ("text", "synthetic")
 OPTIMIZERS = ("adamw", "adam", "sgd", "sgd_momentum", "lamb", "lars")
 PRECISIONS = ("fp32", "bf16", "fp16", "bf16_pure")

@@ -1,10 +1,8 @@
 """The training loop: micro-batches, accumulation, step, eval, logging, final weights.
 
-Read it top to bottom: `Trainer.__init__` builds what a run needs, `fit` is the loop. The job
-around it (validate the config, join the process group, claim the run directory, say a failure
-once) is zerolab/job.py. The trainer talks to the strategy only through the protocol in
-zerolab/strategies/base.py; what a run measures about memory is zerolab/monitor.py, what it
-leaves behind zerolab/results.py, its deliberate faults zerolab/fault.py.
+Read it top to bottom: `Trainer.__init__` builds what a run needs, `fit` is the loop. Around it: the job
+(zerolab/job.py), the strategy's protocol (zerolab/strategies/base.py), memory (zerolab/monitor.py), where a step's
+time goes (zerolab/profile.py), what a run leaves behind (zerolab/results.py), its faults (zerolab/fault.py).
 """
 from __future__ import annotations
 
@@ -27,6 +25,7 @@ from zerolab.fault import FaultInjector, ProgressBoard
 from zerolab.metrics import MetricsSink, Progress
 from zerolab.models import build_model, count_params, lm_loss, param_groups
 from zerolab.monitor import MemoryMonitor
+from zerolab.profile import StepProfiler
 from zerolab.optim import build_optimizer
 from zerolab.optim.schedule import LRSchedule
 from zerolab.precision import Precision
@@ -57,6 +56,7 @@ class Trainer:
         model = model.to(ctx.device) if model is not None else build_model(cfg.model, device=ctx.device)
         self.n_params = count_params(model)
         self.memory = MemoryMonitor(cfg, ctx, model, self.precision.compute_dtype.itemsize)  # before sharding
+        self.profiler = StepProfiler(cfg, ctx, model, run_dir, self.precision.compute_dtype)  # FLOPs/token, the peak
         self.strategy = strategy_class(cfg.strategy.name)(cfg, ctx, self.precision)
         self.model = self.strategy.setup(model, param_groups(model, cfg.optim.weight_decay),
                                          partial(build_optimizer, cfg.optim))
@@ -104,7 +104,7 @@ class Trainer:
         # trainer.log_every says (eval_every need not be a multiple of log_every).
         t, every = self.cfg.trainer, self.cfg.logging.layer_stats_every
         return ((step + 1) % t.log_every == 0 or step == self.start_step or self.evals_step(step)
-                or bool(every and (step + 1) % every == 0))
+                or bool(every and (step + 1) % every == 0) or self.profiler.profiles(step))
 
     def saves_step(self, step: int) -> bool:
         # Every `every` steps, and the last step too: a finished run can be continued from its end.
@@ -163,11 +163,11 @@ class Trainer:
         self.progress.at(step, "log")
         loss = self.ctx.all_reduce_mean(local_loss.item())
         comm = self.strategy.comm.pop_step()
-        per_rank = self.ctx.gather_objects(self.memory.rank_figures(comm))
+        per_rank = self.ctx.gather_objects({**self.memory.rank_figures(comm), **self.profiler.rank_figures(step)})
         record = {"step": step + 1, "loss": loss, "lr": lr, "grad_norm": info.grad_norm,
                   "grad_norm_clipped": info.grad_norm_clipped, "skipped": info.skipped, "step_time_s": step_s,
                   "tokens_per_s": self.global_batch * self.cfg.model.block_size / step_s,
-                  "global_batch": self.global_batch, **info.extra}
+                  "global_batch": self.global_batch, **self.profiler.rates(step_s), **info.extra}
         if "optim_step_s" in record:
             record["optim_step_share"] = record["optim_step_s"] / step_s
         if self.precision.scaler.enabled:
@@ -190,9 +190,10 @@ class Trainer:
             os.remove(os.path.join(self.run_dir, MARKER))  # a previous attempt's: this one is running now
         for step in range(self.start_step, t.max_steps):
             self.fault.before_step(step)
-            clock.start()  # no device sync per step (zerolab.timing): the sharders' all-gathers stay in flight
-            local_loss, lr, info = self.train_step(step)
-            clock.stop()
+            with self.profiler.step(step, self.strategy, self.model):  # profile.steps only; else nothing
+                clock.start()  # no device sync per step (zerolab.timing): the sharders' all-gathers stay in flight
+                local_loss, lr, info = self.train_step(step)
+                clock.stop()
             skipped += info.skipped
             if self.logs_step(step):
                 record, per_rank = self.log_step(step, clock.last(), local_loss, lr, info)
@@ -254,7 +255,7 @@ class Trainer:
         summary = run_summary(cfg, ctx, n_params=self.n_params, global_batch=self.global_batch, loss=loss,
                               eval_loss=None if last_record else eval_loss, step_times=step_times, skipped=skipped,
                               run_dir=self.run_dir, metrics_path=self.metrics.path,
-                              memory=self.memory.summary(per_rank))
+                              memory={**self.memory.summary(per_rank), **self.profiler.summary(step_times)})
         error = skipped_error(cfg, self.precision.scaler, self.start_step, skipped, len(step_times))
         if error:
             summary["error"] = error

@@ -37,7 +37,14 @@ from hydra.plugins.launcher import Launcher
 from hydra.types import HydraContext, TaskFunction
 from omegaconf import DictConfig
 
+from zerolab.errors import ZerolabError
+
 log = logging.getLogger(__name__)
+
+
+class SweepJobFailed(ZerolabError):
+    """A job of the sweep failed: train.py says it in one line and exits 1 (Hydra raises it when it
+    reads the job's return value, after the launcher has run every job and printed each failure)."""
 
 
 @dataclass
@@ -106,7 +113,7 @@ class TorchrunLauncher(Launcher):
             ret = JobReturn(overrides=list(overrides), working_dir=str(run_dir), task_name=name)
             if failed and self.stop_on_failure:
                 entry["status"] = "not run"
-                ret.status, ret._return_value = JobStatus.FAILED, RuntimeError(f"{name}: not run (an earlier job failed)")
+                ret.status, ret._return_value = JobStatus.FAILED, SweepJobFailed(f"{name}: not run (an earlier job failed)")
             else:
                 print(f"[sweep {n_done + 1}/{len(schedule)}] {' '.join(job_args)}"
                       + (f" (round {rnd + 1}/{self.rounds})" if self.rounds > 1 else ""), flush=True)
@@ -133,7 +140,8 @@ class TorchrunLauncher(Launcher):
                     print(f"    FAILED (exit {code}) after {entry['seconds']:.0f}s; log: {entry['log']}\n{tail}",
                           file=sys.stderr, flush=True)
                     ret.status = JobStatus.FAILED
-                    ret._return_value = RuntimeError(f"job {name} exited with {code}; see {entry['log']}")
+                    ret._return_value = SweepJobFailed(f"sweep job {name} exited with {code}; its output is in "
+                                                       f"{entry['log']} (the sweep's index: {index_path})")
             index["jobs"] = [j for j in index["jobs"] if (j["num"], j.get("round", 0)) != (num, rnd)] + [entry]
             index["loadavg"]["after"] = list(os.getloadavg())
             tmp = index_path.with_suffix(".tmp")

@@ -8,11 +8,9 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
+from zerolab.accounting.storage import storage_key
+
 _ACTIVE: list["ActivationMeter"] = []  # meters entered and not yet left, innermost last
-
-
-def _storage_key(t: torch.Tensor) -> tuple[str, int]:
-    return str(t.device), t.untyped_storage().data_ptr()
 
 
 def _is_parameter(t: torch.Tensor) -> bool:
@@ -31,7 +29,7 @@ class ActivationMeter:
         self.model, self.enabled = model, enabled
         self.bytes = 0
         self.tensors = 0  # saved tensors seen (a storage seen twice counts twice here, once in bytes)
-        self._seen: set[tuple[str, int]] = set()
+        self._seen: set[int] = set()
         self._hooks = None
 
     def __enter__(self) -> "ActivationMeter":
@@ -42,7 +40,7 @@ class ActivationMeter:
             for t in list(self.model.parameters()) + list(self.model.buffers()):
                 local = t.to_local() if hasattr(t, "to_local") else t  # DTensor: the rank's shard
                 if local.device.type != "meta" and local.untyped_storage().nbytes():
-                    self._seen.add(_storage_key(local))  # "seen" already: never counted
+                    self._seen.add(storage_key(local))  # "seen" already: never counted
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
         self._hooks.__enter__()
         _ACTIVE.append(self)
@@ -59,7 +57,7 @@ class ActivationMeter:
         self.tensors += 1
         if t.device.type == "meta" or _is_parameter(t):
             return
-        key = _storage_key(t)
+        key = storage_key(t)
         if key in self._seen:
             return
         self._seen.add(key)

@@ -18,19 +18,24 @@ CATEGORIES = ("params", "grads", "master", "optim_state", "buffers")
 MODEL_STATES = ("params", "grads", "master", "optim_state")
 
 
+def storage_key(t: torch.Tensor) -> int:
+    """The identity of `t`'s storage, the same for every view of it: the address of its
+    StorageImpl. Not data_ptr(): a fake tensor (a dry run, zerolab.rehearsal) has none (0)."""
+    return t.untyped_storage()._cdata
+
+
 class StorageCounter:
     """Sums storage bytes over categories, never counting one storage twice."""
 
     def __init__(self):
-        self.seen: set[tuple[str, int]] = set()
+        self.seen: set[int] = set()
         self.bytes = {c: 0 for c in CATEGORIES}
 
     def add(self, category: str, tensors: Iterable[torch.Tensor | None]) -> "StorageCounter":
         for t in tensors:
             if t is None or t.device.type == "meta":
                 continue
-            storage = t.untyped_storage()
-            key = (str(t.device), storage.data_ptr())
+            storage, key = t.untyped_storage(), storage_key(t)
             if key in self.seen or storage.nbytes() == 0:
                 continue
             self.seen.add(key)

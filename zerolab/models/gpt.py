@@ -6,10 +6,8 @@ import math
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
-from zerolab.accounting.saved import keep_for_backward
-from zerolab.models.recompute import checkpointed_blocks
+from zerolab.models.recompute import checkpointed_blocks, checkpointed_call
 from zerolab.schema import ModelConfig
 
 
@@ -89,14 +87,6 @@ class GPT(nn.Module):
         recompute = checkpointed_blocks(len(self.blocks), self.cfg.activation_checkpointing,
                                         self.cfg.checkpoint_every_k)
         for block, again in zip(self.blocks, recompute):
-            x = self._checkpointed(block, x) if again and torch.is_grad_enabled() else block(x)
+            # the block's input is kept, the block recomputed in backward (zerolab.models.recompute)
+            x = checkpointed_call(block, x) if again else block(x)
         return self.lm_head(self.ln_f(x))
-
-    @staticmethod
-    def _checkpointed(block: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        """Run `block` keeping only its input for backward, which runs it again. Non-reentrant
-        checkpoint lets the strategies' module hooks run again in the recomputation (FSDP2 gathers
-        the block's weights again); it restores the RNG state before recomputing and hands the
-        stream back afterwards (preserve_rng_state=True), so dropout draws the same masks."""
-        keep_for_backward(x)  # held by checkpoint, not by autograd's saved tensors: tell the meter
-        return checkpoint(block, x, use_reentrant=False, preserve_rng_state=True)

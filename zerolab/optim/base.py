@@ -197,7 +197,7 @@ class ZerolabOptimizer(torch.optim.Optimizer):
         diffs = [upcast(p.detach()) - b for p, b in zip(params, before)]
         if is_flat_group(group):
             segs, n = group["segments"], group["n_tensors"]
-            upd_sq, w_sq = per_tensor_sum_sq(diffs[0], segs, n), per_tensor_sum_sq(before[0], segs, n)
+            upd_sq, w_sq = per_tensor_sum_sq(diffs, segs, n), per_tensor_sum_sq(before, segs, n)
             names = list(group["names"])
         else:
             # per-tensor sums (not _foreach_norm): FSDP's bf16_pure weights are DTensors
@@ -230,16 +230,17 @@ class ZerolabOptimizer(torch.optim.Optimizer):
         materialising Δw (flat groups: this rank's partial sums over its segments)."""
         if is_flat_group(group):
             segs, n = group["segments"], group["n_tensors"]
-            u, w = updates[0], params[0]
-            s_sq, w_sq = per_tensor_sum_sq(u, segs, n), per_tensor_sum_sq(w, segs, n)
-            dot = torch.zeros(n, dtype=s_sq.dtype, device=w.device)
+            s_sq, w_sq = per_tensor_sum_sq(updates, segs, n), per_tensor_sum_sq(params, segs, n)
+            dot = torch.zeros(n, dtype=s_sq.dtype, device=params[0].device)
             if decay:
                 for seg in segs:
-                    dot[seg.tensor] += torch.dot(upcast(u[seg.start:seg.end]), upcast(w[seg.start:seg.end]))
+                    u, w = updates[seg.piece][seg.start:seg.end], params[seg.piece][seg.start:seg.end]
+                    dot[seg.tensor] += torch.dot(upcast(u), upcast(w))
             names = list(group["names"])
         elif params:
             s_sq, w_sq = _sum_sq(updates), _sum_sq(params)
-            dot = torch.stack([torch.dot(upcast(u.flatten()), upcast(w.flatten())) for u, w in zip(updates, params)]) \
+            # (u * w).sum(), not dot of flattened views: FSDP2's unevenly sharded DTensors cannot flatten
+            dot = torch.stack([(upcast(u) * upcast(w)).sum() for u, w in zip(updates, params)]) \
                 if decay else torch.zeros_like(s_sq)
         else:
             return
@@ -319,7 +320,7 @@ def layer_norms(group: dict, a: list[torch.Tensor], b: list[torch.Tensor]) -> tu
     rank ends with the full per-tensor norms of tensors that straddle shard boundaries."""
     if is_flat_group(group):
         segs, n = group["segments"], group["n_tensors"]
-        both = torch.cat([per_tensor_sum_sq(a[0], segs, n), per_tensor_sum_sq(b[0], segs, n)])
+        both = torch.cat([per_tensor_sum_sq(a, segs, n), per_tensor_sum_sq(b, segs, n)])
         group["allreduce"](both)
         return both[:n].sqrt(), both[n:].sqrt()
     return per_tensor_norms(a), per_tensor_norms(b)
@@ -330,10 +331,9 @@ def scale_per_tensor(group: dict, tensors: list[torch.Tensor], factors: torch.Te
     no shard-sized tensor of factors is built (the same products, so the same bits). Padding is left
     as it is: its update is 0 (zero gradient, zero weight)."""
     if is_flat_group(group):
-        flat = tensors[0]
-        factors = factors.to(device=flat.device, dtype=flat.dtype)
+        factors = factors.to(device=tensors[0].device, dtype=tensors[0].dtype)
         for seg in group["segments"]:
-            flat[seg.start:seg.end].mul_(factors[seg.tensor])
+            tensors[seg.piece][seg.start:seg.end].mul_(factors[seg.tensor])
     else:
         for t, f in zip(tensors, factors.to(tensors[0].device).unbind()):
             t.mul_(f)

@@ -1,11 +1,13 @@
 """How a flat shard maps onto the tensors it came from.
 
-The ZeRO sharder hands the optimizer one flat fp32 tensor per param group: this rank's slice of
-the concatenated, padded group. Elementwise optimizers (SGD, Adam, AdamW) need nothing more.
-Layer-wise ones (LAMB, LARS) need per-*tensor* norms: each rank sums squares over the segments
-it owns and one all-reduce completes them. A flat group carries:
-  "params":    [flat_shard]
-  "segments":  list[Segment], the pieces of original tensors inside flat_shard
+The ZeRO sharder hands the optimizer this rank's shard of each param group as flat tensors: one
+per bucket the group's tensors were packed into (zero1, zero2: this rank's chunk of each bucket,
+in fp32 training a view of the weights themselves), or one for the whole group (zero3).
+Elementwise optimizers (SGD, Adam, AdamW) need nothing more. Layer-wise ones (LAMB, LARS) need
+per-*tensor* norms: each rank sums squares over the segments it owns and one all-reduce completes
+them. A flat group carries:
+  "params":    [flat pieces of the shard]
+  "segments":  list[Segment], the parts of original tensors inside those pieces
   "n_tensors": number of tensors in the group (length of the per-tensor norm vector)
   "names":     the tensors' names, indexed by Segment.tensor
   "allreduce": callable(t) summing t over the data-parallel ranks in place
@@ -23,9 +25,10 @@ import torch
 @dataclass(frozen=True)
 class Segment:
     tensor: int  # index of the original tensor within its param group
-    start: int  # [start, end) within this rank's flat shard
+    start: int  # [start, end) within the piece `piece` of this rank's shard
     end: int
     offset: int  # where the segment starts inside the original (flattened) tensor
+    piece: int = 0  # which of the group's flat pieces ("params") holds it
 
 
 def is_flat_group(group: dict) -> bool:
@@ -41,10 +44,10 @@ def upcast(t: torch.Tensor) -> torch.Tensor:
     return t.float() if t.dtype in LOW_PRECISION else t
 
 
-def per_tensor_sum_sq(flat: torch.Tensor, segments: list[Segment], n_tensors: int) -> torch.Tensor:
-    """This rank's partial sums of squares per original tensor (length n_tensors; fp32, or
-    fp64 for an fp64 shard)."""
-    out = torch.zeros(n_tensors, dtype=upcast(flat[:0]).dtype, device=flat.device)
+def per_tensor_sum_sq(pieces: list[torch.Tensor], segments: list[Segment], n_tensors: int) -> torch.Tensor:
+    """This rank's partial sums of squares per original tensor over the shard's flat `pieces`
+    (length n_tensors; fp32, or fp64 for an fp64 shard)."""
+    out = torch.zeros(n_tensors, dtype=upcast(pieces[0][:0]).dtype, device=pieces[0].device)
     for s in segments:
-        out[s.tensor] += upcast(flat[s.start:s.end]).pow(2).sum()
+        out[s.tensor] += upcast(pieces[s.piece][s.start:s.end]).pow(2).sum()
     return out

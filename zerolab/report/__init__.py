@@ -8,6 +8,7 @@ given directly or found inside sweep directories — and writes report.md plus P
   memory.png     per-rank measured bytes by category, stacked; the predicted ledger below each
   step_time.png  step time p50 / p95 / p99, and p50 ÷ baseline with its bootstrap interval
   comm.png       measured bytes sent per rank per step against 2Ψ(N−1)/N (zerolab.comm)
+  breakdown.png  where the profiled steps go (runs with profile.steps: zerolab.profile), stacked per run
 a parity table (function space first: Δ of the fixed held-out losses and logits each run saved
 with zerolab.digest; then the final weights, with elements whose gradient is at rounding-noise
 level listed apart; a mismatch names what differs and a cause zerolab knows), and a step-time

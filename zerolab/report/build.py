@@ -9,12 +9,13 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-from zerolab.report.figures import plot_comm, plot_loss, plot_loss_diff, plot_memory, plot_step_time
+from zerolab.report.figures import plot_breakdown, plot_comm, plot_loss, plot_loss_diff, plot_memory, plot_step_time
 from zerolab.report.intervals import bootstrap_ratio
 from zerolab.report.parity import parity
 from zerolab.report.runs import (Run, compute_stats, find_run_dirs, label_runs, load_run, merge_rounds,
                                  strategy_class, sweep_info)
-from zerolab.report.tables import machine_line, memory_table, parity_table, peak_table, summary_table, timing_table
+from zerolab.report.tables import breakdown_table, machine_line, memory_table, parity_table, peak_table, summary_table, \
+    timing_table
 
 
 # What each section of report.md says before its table.
@@ -38,6 +39,14 @@ TIMING = ("Ratio of p50 step times with a 95 % bootstrap interval (resampling ro
 PEAK = ("Measured: the model states the strategy holds + the activations saved for backward (measured) + the "
         "transients of the same moment (the loss's logits buffers, a recomputed block with checkpointing, the "
         "buffers the strategy recorded); predicted: the planner's composition for the run (zerolab/memory/peak.py).\n")
+BREAKDOWN = ("The profiled steps (profile.steps; zerolab/profile.py, docs/profile.md) split on every rank into four "
+             "disjoint parts that add up to the step: compute (forward and backward), optimizer (clip and step), "
+             "exposed communication (the rank waited for a collective: on CPU/gloo the host inside a wait; on CUDA "
+             "communication kernels not overlapped by compute) and other (data, host work). Comm in flight is all the "
+             "time some collective was running; hidden is the share of it that overlapped other work. Means over the "
+             "profiled steps and ranks (the worst rank's exposed communication in brackets). MFU: model FLOPs "
+             "(6N + 12·L·d·T per token) per second per device over the peak in summary.json (peak_flops, "
+             "peak_flops_source), median over the logged steps after the first.\n")
 
 
 def load_runs(paths: list[str], baseline: Optional[str] = None) -> tuple[list[Run], Run, dict]:
@@ -74,6 +83,9 @@ def build_report(paths: list[str], out: str, baseline: Optional[str] = None, wan
     figures = {"loss": plot_loss(runs, base, out_dir), "loss_diff": plot_loss_diff(runs, base, out_dir),
                "memory": plot_memory(runs, out_dir), "step_time": plot_step_time(runs, base, out_dir),
                "comm": plot_comm(runs, out_dir)}
+    profiled = any(r.stats.get("breakdown") for r in runs)
+    if profiled:
+        figures["breakdown"] = plot_breakdown(runs, out_dir)
     table, machine = summary_table(runs, base, par), machine_line(runs, loads)
     b = base.summary
     conditions = (f"{b.get('model', '?')} ({b.get('n_params', '?')} params), world {base.world}, "
@@ -83,14 +95,20 @@ def build_report(paths: list[str], out: str, baseline: Optional[str] = None, wan
           "\n## Parity\n", PARITY, parity_table(runs, base, par),
           "\n## Step time against the baseline\n", TIMING, timing_table(runs, base),
           "\n## Memory per rank (MiB)\n", memory_table(runs),
-          "\n## Peak memory of a step per rank (MiB)\n", PEAK, peak_table(runs), "\n## Figures\n"]
+          "\n## Peak memory of a step per rank (MiB)\n", PEAK, peak_table(runs)]
+    breakdown = breakdown_table(runs) if profiled else ""
+    if profiled:
+        md += ["\n## Where the step goes\n", BREAKDOWN, breakdown]
+    md += ["\n## Figures\n"]
     md += [f"![{k}]({p.name})" for k, p in figures.items()]
     md += ["\n## Runs\n"] + [f"- {r.label}: `{r.path}`" + "".join(f", `{x.path}`" for x in r.repeats) for r in runs]
     (out_dir / "report.md").write_text("\n".join(md) + "\n")
     result = {"report": str(out_dir / "report.md"), "figures": {k: str(v) for k, v in figures.items()},
               "table": table, "parity": par, "baseline": base.label, "runs": [r.label for r in runs],
-              "timing": {r.label: r.stats["timing"] for r in runs}, "machine": machine, "loadavg": loads}
-    (out_dir / "report.json").write_text(json.dumps({k: v for k, v in result.items() if k != "table"},
+              "timing": {r.label: r.stats["timing"] for r in runs}, "machine": machine, "loadavg": loads,
+              "breakdown": {r.label: r.stats["breakdown"] for r in runs if r.stats.get("breakdown")},
+              "breakdown_table": breakdown}
+    (out_dir / "report.json").write_text(json.dumps({k: v for k, v in result.items() if not k.endswith("table")},
                                                     indent=2, default=str))
     if wandb_mode != "disabled":
         log_to_wandb(runs, result, wandb_mode, paths)
@@ -119,6 +137,10 @@ def log_to_wandb(runs: list[Run], result: dict, mode: str, paths: list[str]) -> 
                      t["lo"], t["hi"], t["verdict"], r.stats["tokens_per_s"], p.get("d_eval_loss"),
                      p.get("max_dlogit"), p.get("max_rel"), p["status"]])
     run.log({"summary": wandb.Table(columns=cols, data=rows)})
+    if result["breakdown"]:  # where the profiled steps went (seconds, means over steps and ranks)
+        parts = ["step_s", "compute_s", "optimizer_s", "comm_exposed_s", "other_s", "comm_s", "hidden"]
+        run.log({"breakdown": wandb.Table(columns=["run", *parts],
+                                          data=[[k, *(b[p] for p in parts)] for k, b in result["breakdown"].items()])})
     run.finish()
 
 
@@ -145,6 +167,9 @@ def cli_main(argv: list[str]) -> int:
         print(f"zerolab compare: {err}", file=sys.stderr)
         return 2
     print(result["table"])
+    if result["breakdown_table"]:
+        print("\nWhere the profiled steps go (means over steps and ranks; report.md says how to read it):\n"
+              + result["breakdown_table"])
     print(f"\nreport: {result['report']}")
     print("figures: " + " ".join(result["figures"].values()))
     print(result["machine"])

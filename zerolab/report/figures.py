@@ -1,10 +1,13 @@
-"""The report's PNGs (matplotlib, imported only when a figure is drawn)."""
+"""The report's PNGs (matplotlib, imported only when a figure is drawn), each labelled at its foot
+with the day it was drawn and the zerolab commit that drew it."""
 from __future__ import annotations
 
+import datetime
+import math
 from pathlib import Path
 
 from zerolab.accounting import CATEGORIES
-from zerolab.report.runs import Run, series
+from zerolab.report.runs import TIME_PARTS, Run, series
 
 
 COLORS = {"params": "#4c72b0", "grads": "#dd8452", "master": "#55a868", "optim_state": "#c44e52", "buffers": "#8172b3"}
@@ -19,9 +22,35 @@ def _plt():
     return plt
 
 
+def commit(root: Path = Path(__file__).resolve().parents[2]) -> str:
+    """The short commit of the zerolab checkout at `root`, read from .git (no process), or "unknown"."""
+    try:
+        git = root / ".git"
+        if git.is_file():  # a worktree or submodule: "gitdir: PATH"
+            git = (root / git.read_text().split(":", 1)[1].strip()).resolve()
+        head = (git / "HEAD").read_text().strip()
+        if head.startswith("ref: "):
+            ref = head[5:]
+            loose = git / ref
+            if loose.exists():
+                head = loose.read_text().strip()
+            else:
+                packed = (git / "packed-refs").read_text().splitlines()
+                head = next(line.split()[0] for line in packed if line.endswith(" " + ref))
+        return head[:7]
+    except (OSError, StopIteration, IndexError):
+        return "unknown"
+
+
+def label() -> str:
+    return f"zerolab {commit()}, {datetime.date.today().isoformat()}"
+
+
 def _save(plt, fig, path: Path) -> Path:
-    """Every figure ends the same way: tight layout, a PNG at 110 dpi, the figure closed."""
-    fig.tight_layout()
+    """Every figure ends the same way: tight layout above its label (date and commit), a PNG at
+    110 dpi, the figure closed."""
+    fig.tight_layout(rect=(0, 0.035, 1, 1))
+    fig.text(0.995, 0.005, label(), ha="right", va="bottom", fontsize=7, color="#666666")
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
@@ -159,3 +188,31 @@ def plot_comm(runs: list[Run], out: Path) -> Path:
     ax.set(title="bytes sent per rank per step", ylabel="MiB")
     ax.legend(fontsize=8)
     return _save(plt, fig, out / "comm.png")
+
+
+PART_COLORS = {"compute_s": "#4c72b0", "optimizer_s": "#55a868", "comm_exposed_s": "#c44e52", "other_s": "#bbbbbb"}
+PART_NAMES = {"compute_s": "compute (forward + backward)", "optimizer_s": "optimizer (clip + step)",
+              "comm_exposed_s": "exposed communication", "other_s": "other (data, host work)"}
+
+
+def plot_breakdown(runs: list[Run], out: Path) -> Path:
+    """Stacked bars, one per run: its profiled steps' mean compute, optimizer, exposed
+    communication and other (they add up to the step); above each bar, the time communication
+    was in flight and the share of it hidden behind other work."""
+    plt = _plt()
+    shown = [r for r in runs if r.stats.get("breakdown")]
+    fig, ax = plt.subplots(figsize=(max(9, 1.3 * len(shown) + 5), 4.8))
+    for i, r in enumerate(shown):
+        b, bottom = r.stats["breakdown"], 0.0
+        for part in TIME_PARTS:
+            v = b[part] * 1e3
+            ax.bar(i, v, 0.6, bottom=bottom, color=PART_COLORS[part], label=PART_NAMES[part] if i == 0 else None)
+            bottom += v
+        hidden = "—" if math.isnan(b["hidden"]) else f"{b['hidden'] * 100:.0f} %"
+        ax.annotate(f"comm {b['comm_s'] * 1e3:.0f} ms\nhidden {hidden}", (i, bottom), textcoords="offset points",
+                    xytext=(0, 3), ha="center", fontsize=8)
+    ax.set_xticks(range(len(shown)), [r.label for r in shown], fontsize=9, rotation=20, ha="right")
+    ax.set(title="where the profiled steps go (mean over steps and ranks)", ylabel="ms per step")
+    ax.margins(y=0.18)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # beside the bars, never over them
+    return _save(plt, fig, out / "breakdown.png")

@@ -150,14 +150,43 @@ def _rank_peaks(run: Run, prefix: str) -> list[dict[str, float]]:
 
 
 def step_times(run: Run) -> list[float]:
-    """Logged step times, the first step (warm-up) left out."""
+    """Logged step times, the first step (warm-up) left out. Profiled steps stay in: on CPU without a
+    trace their profiling costs about nothing (bench/step_profile.py, bench/RESULTS.md)."""
     return [t for s, t in series(run, "step_time_s") if s > 1] or [t for _, t in series(run, "step_time_s")]
+
+
+TIME_PARTS = ("compute_s", "optimizer_s", "comm_exposed_s", "other_s")  # disjoint: they add up to step_s
+
+
+def breakdown(runs: list[Run]) -> dict:
+    """Where the profiled steps went, pooled over `runs` (one job's rounds), their steps and ranks:
+    the mean of each part, of comm_s and step_s (seconds), the share of communication time that
+    was hidden behind other work (1 - exposed / in flight), and per rank the same means. {} when
+    no step was profiled."""
+    rows: dict[int, list[dict]] = {}
+    for x in runs:
+        for m in x.metrics:
+            for r in range(x.world):
+                if f"rank{r}/time/step_s" in m:
+                    rows.setdefault(r, []).append({k: float(m[f"rank{r}/time/{k}"])
+                                                   for k in (*TIME_PARTS, "comm_s", "step_s")})
+    if not rows:
+        return {}
+
+    def means(rs: list[dict]) -> dict:
+        out = {k: statistics.mean(row[k] for row in rs) for k in rs[0]}
+        out["hidden"] = 1 - out["comm_exposed_s"] / out["comm_s"] if out["comm_s"] > 0 else float("nan")
+        return out
+    every = [row for r in sorted(rows) for row in rows[r]]
+    return {**means(every), "samples": len(every), "steps": len(every) // len(rows),
+            "per_rank": [means(rows[r]) for r in sorted(rows)]}
 
 
 def compute_stats(run: Run) -> None:
     rounds = [step_times(x) for x in [run, *run.repeats]]
     times = [t for r in rounds for t in r]  # pooled over rounds
     tokens = [t for x in [run, *run.repeats] for s, t in series(x, "tokens_per_s") if s > 1]
+    mfu = [v for x in [run, *run.repeats] for s, v in series(x, "mfu") if s > 1]
     comm = [[v for s, v in series(run, f"rank{r}/comm_bytes") if s > 1] for r in range(run.world)]
     n_params = run.summary.get("n_params") or 0
     st = run.stats
@@ -166,6 +195,8 @@ def compute_stats(run: Run) -> None:
     st["p95"] = percentile(times, 95) if times else float("nan")
     st["p99"] = percentile(times, 99) if times else float("nan")
     st["tokens_per_s"] = statistics.median(tokens) if tokens else float("nan")
+    st["mfu"] = statistics.median(mfu) if mfu else float("nan")
+    st["breakdown"] = breakdown([run, *run.repeats])
     st["comm_per_step"] = [statistics.mean(c) if c else float("nan") for c in comm]
     st["comm_theory"] = theory_bytes_per_step(n_params, GRAD_BYTES.get(run.precision, 4), run.world)
     st["mem"] = _rank_figures(run, "mem")

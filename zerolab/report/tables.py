@@ -93,6 +93,25 @@ def peak_table(runs: list[Run]) -> str:
                          + f") | {ratio} |")
     return "\n".join(lines)
 
+def breakdown_table(runs: list[Run]) -> str:
+    """Where the profiled steps went, one row per run: the four disjoint parts (they add up to the
+    step), the time some collective was in flight, the share of it hidden behind other work, and
+    MFU (median over the logged steps after the first). Means over profiled steps and ranks."""
+    lines = ["| run | steps × ranks | step ms | compute ms | optimizer ms | exposed comm ms (worst rank) | other ms | "
+             "comm in flight ms | comm hidden | MFU |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in runs:
+        b = r.stats.get("breakdown")
+        if not b:
+            continue
+        worst = max(x["comm_exposed_s"] for x in b["per_rank"])
+        ms = lambda v: _f(v * 1e3, "{:.1f}")
+        lines.append(f"| {r.label} | {b['steps']} × {len(b['per_rank'])} | {ms(b['step_s'])} | {ms(b['compute_s'])} | "
+                     f"{ms(b['optimizer_s'])} | {ms(b['comm_exposed_s'])} ({ms(worst)}) | {ms(b['other_s'])} | "
+                     f"{ms(b['comm_s'])} | {_f(b['hidden'] * 100, '{:.0f} %')} | "
+                     f"{_f(r.stats.get('mfu', float('nan')) * 100, '{:.1f} %')} |")
+    return "\n".join(lines)
+
+
 def timing_table(runs: list[Run], base: Run) -> str:
     lines = [f"| run | rounds × steps timed | p50 ms | p50 ÷ {base.label} | 95 % interval | verdict |",
              "|---|---|---|---|---|---|"]

@@ -10,20 +10,26 @@ from typing import Optional
 
 import torch
 import torch.nn as nn
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from zerolab.accounting import MIXED, StorageCounter, dtype_name, state_bytes
+from zerolab.models import place
 from zerolab.precision import COMPUTE_BYTES
 from zerolab.precision import MasterCopy
 from zerolab.strategies.base import OptimizerFactory, ShardPiece, StepInfo, Strategy
 
 
 def _counting_allreduce(state, bucket):
-    """DDP's own all-reduce hook, plus a record of the bucket's size for comm accounting."""
+    """What DDP's default hook does (average: divide by N, then sum in place), plus a record of the
+    bucket's size for comm accounting. The future resolves to the bucket's own buffer rather than
+    to the collective's result list, which is the same tensor on gloo and NCCL; a dry run's fake
+    process group (zerolab.rehearsal) resolves its futures to nothing."""
     counter, group = state
-    counter.record("all_reduce", bucket.buffer())
-    return default_hooks.allreduce_hook(group, bucket)
+    buffer = bucket.buffer()
+    counter.record("all_reduce", buffer)
+    buffer.div_(dist.get_world_size(group))
+    return dist.all_reduce(buffer, group=group, async_op=True).get_future().then(lambda _: buffer)
 
 
 class DDPStrategy(Strategy):
@@ -33,7 +39,7 @@ class DDPStrategy(Strategy):
     checkpoint_format = "pieces"
 
     def setup(self, model: nn.Module, param_groups: list[dict], make_optimizer: OptimizerFactory) -> nn.Module:
-        model.to(device=self.ctx.device, dtype=self.precision.compute_dtype)
+        place(model, self.ctx.device, self.precision.compute_dtype)
         self.model = model
         self.params = [p for g in param_groups for p in g["params"]]
         self.names = [n for g in param_groups for n in g["names"]]
@@ -42,7 +48,12 @@ class DDPStrategy(Strategy):
         self.ddp = DistributedDataParallel(
             model, device_ids=[self.ctx.device.index] if self.ctx.device.type == "cuda" else None,
             bucket_cap_mb=s.bucket_mb, gradient_as_bucket_view=True,
-            find_unused_parameters=s.find_unused_parameters)
+            # A dry run's fake tensors have no data, and two of DDP's exchanges read it: the check
+            # that every rank has the same parameter shapes (init_sync), and the agreement on a
+            # new bucket order after the first step, which DDP skips when it looks for unused
+            # parameters. Neither changes the bytes a rank holds.
+            find_unused_parameters=s.find_unused_parameters or self.ctx.rehearsal,
+            init_sync=not self.ctx.rehearsal)
         self.ddp.register_comm_hook((self.comm, None), _counting_allreduce)
         self.master = MasterCopy(self.params) if self.precision.master_weights else None
         if self.master:

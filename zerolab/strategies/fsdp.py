@@ -1,7 +1,9 @@
 """FSDP2 (`torch.distributed.fsdp.fully_shard`): parameters, gradients and optimizer state
 sharded — ZeRO-3.
 
-Each transformer block is its own FSDP unit, and the root (embeddings, final norm, head) another,
+Each of the model's repeated blocks (zerolab.models.find_blocks: `blocks`, `model.layers`,
+`transformer.h`, ... or model.blocks) is its own FSDP unit, and the root (embeddings, final norm,
+head) another,
 so only one block's full parameters exist at a time. The sharded parameters are fp32 DTensors:
 under bf16/fp16 they *are* the master weights, and MixedPrecisionPolicy all-gathers them in the
 compute dtype and reduce-scatters gradients in fp32. In fp32 there is no policy.
@@ -23,6 +25,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from zerolab.accounting import MIXED, StorageCounter, ceil_div, dtype_name, fmt_n, state_bytes
+from zerolab.models import find_blocks, place
 from zerolab.precision import COMPUTE_BYTES
 from zerolab.strategies.base import OptimizerFactory, StepInfo, Strategy
 
@@ -37,6 +40,7 @@ def _local(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
 class FSDPStrategy(Strategy):
     name = "fsdp"
     sharded_grads = True
+    needs_blocks = True  # a user's model without repeated blocks is refused before any rank trains (zerolab.models.preflight)
     # fully_shard has no bucket size (a unit is one block) and reduces in fp32 under mixed precision.
     uses = Strategy.uses
     checkpoint_format = "none"
@@ -44,23 +48,25 @@ class FSDPStrategy(Strategy):
     def setup(self, model: nn.Module, param_groups: list[dict], make_optimizer: OptimizerFactory) -> nn.Module:
         p = self.precision
         if p.name == "bf16_pure":
-            model.to(device=self.ctx.device, dtype=torch.bfloat16)
+            place(model, self.ctx.device, torch.bfloat16)
             mp = MixedPrecisionPolicy()
         else:
-            model.to(self.ctx.device)  # fp32 shards; the policy casts for compute
+            place(model, self.ctx.device)  # fp32 shards; the policy casts for compute
             mp = (MixedPrecisionPolicy(param_dtype=p.compute_dtype, reduce_dtype=torch.float32)
                   if p.compute_dtype != torch.float32 else MixedPrecisionPolicy())
         self.compute_bytes = p.compute_dtype.itemsize
         self.reduce_bytes = p.update_dtype.itemsize
-        self.units: list[nn.Module] = list(getattr(model, "blocks", []))
+        found = find_blocks(model, self.cfg.model.blocks)  # blocks, model.layers, transformer.h, ...
+        self.units: list[nn.Module] = list(found.modules) if found is not None else []
         if not self.units and self.ctx.is_main:
-            _log.warning("strategy=fsdp: the model (%s) has no .blocks, so it is one FSDP unit: every parameter is "
-                         "gathered for the whole forward and backward, and the memory per rank is not ZeRO-3's. "
-                         "Give the model a .blocks list of its layers, or use strategy=zero2",
+            _log.warning("strategy=fsdp: the model (%s) has no .blocks (no nn.ModuleList of same-class modules), so "
+                         "it is one FSDP unit: every parameter is gathered for the whole forward and backward, and the "
+                         "memory per rank is not ZeRO-3's. Name its layers with model.blocks=PATH, or use strategy=zero2",
                          type(model).__name__)
+        mesh = self.ctx.device_mesh()
         for block in self.units:
-            fully_shard(block, mp_policy=mp)  # resharded after forward: re-gathered in backward
-        fully_shard(model, mp_policy=mp)  # the root keeps its parameters between forward and backward
+            fully_shard(block, mesh=mesh, mp_policy=mp)  # resharded after forward: re-gathered in backward
+        fully_shard(model, mesh=mesh, mp_policy=mp)  # the root keeps its parameters between forward and backward
         self.model = model
         # fully_shard replaced the parameters with DTensors: rebuild the groups by name.
         by_name = dict(model.named_parameters())

@@ -3,9 +3,17 @@
 Layout. Parameters are packed, in the order their gradients become ready in backward (reverse
 registration order), into buckets of about `strategy.bucket_mb`; a bucket never mixes param
 groups and is padded to a multiple of N. Every bucket is split into N equal chunks and rank r
-owns chunk r of every bucket: fp32 master weights, the fp32 gradient shard and the optimizer
-state exist only for owned chunks (this rank's "shard" of a group is its chunks of that group's
-buckets, concatenated). A parameter may straddle chunk boundaries.
+owns chunk r of every bucket: the weights the optimizer updates, the gradient shard and the
+optimizer state exist only for owned chunks (this rank's "shard" of a group is its chunks of that
+group's buckets, one flat piece per bucket). A parameter may straddle chunk boundaries.
+
+What the shard is (the ZeRO paper's accounting, Rajbhandari et al. 2019, section 5): in mixed
+precision an fp32 master copy of the owned chunks, beside the 16-bit weights. Where the weights
+already are in the dtype the optimizer updates (fp32 training, and bf16_pure), a master copy
+would only duplicate them: the shard is then a view of the owned chunk of the weights' own flat
+buffer, updated in place and all-gathered in place. Likewise zero1's gradient shard, in fp32
+training, is a view of the owned chunk of the whole reduced gradient. So with AdamW in fp32 a
+rank holds (4 + 4 + 8/N) bytes per parameter under zero1 and (4 + (4 + 8)/N) under zero2.
 
 Why per-bucket chunks instead of one contiguous slice of the whole group (DESIGN.md's first
 sketch): a reduce-scatter hands chunk r of its input to rank r, so with per-bucket ownership a
@@ -42,6 +50,7 @@ import torch.nn as nn
 
 from zerolab.buckets import MAX_IN_FLIGHT, bucket_cap, pack_buckets, zero_buckets
 from zerolab.accounting import MIXED, StorageCounter, dtype_name, fmt_n, state_bytes
+from zerolab.models import place
 from zerolab.optim.segments import Segment
 from zerolab.precision import COMPUTE_BYTES
 from zerolab.strategies.base import OptimizerFactory, ShardPiece, StepInfo, Strategy
@@ -52,8 +61,9 @@ class Bucket:
     group: int  # param group index
     params: list  # [(param, tensor index in group, offset in bucket)]
     size: int  # padded to a multiple of N
-    shard_pos: int  # where this bucket's chunk sits in the rank's group shard
+    shard_pos: int  # where this bucket's chunk sits in its piece of the rank's group shard
     world: int  # N: the bucket is N chunks of `chunk` elements
+    piece: int = 0  # which flat piece of the group's shard holds its chunk (zero1/2: one per bucket; zero3: one)
     flat_params: Optional[torch.Tensor] = None  # compute-dtype buffer the params view into
     flat_grads: Optional[torch.Tensor] = None  # zero1: gradient buffer the grads view into
     comm_buf: Optional[torch.Tensor] = None  # zero2: in-flight gradient copy
@@ -66,9 +76,18 @@ class Bucket:
 
 @dataclass
 class FlatGroup:
-    master: nn.Parameter  # the shard the optimizer updates (fp32; bf16 in bf16_pure); .grad: its gradient
+    """This rank's shard of one param group: the flat pieces the optimizer updates (fp32 master
+    weights, or the weights themselves where they are in that dtype: module docstring), each
+    piece's .grad its gradient, and where the group's tensors lie in them."""
+    pieces: list = field(default_factory=list)  # nn.Parameter, one per bucket (zero1/2) or per group (zero3)
     segments: list[Segment] = field(default_factory=list)
     names: list[str] = field(default_factory=list)
+
+    @property
+    def master(self) -> nn.Parameter:
+        """The one piece of a shard kept whole per group (zero3)."""
+        (piece,) = self.pieces
+        return piece
 
 
 class ZeroStrategy(Strategy):
@@ -86,7 +105,7 @@ class ZeroStrategy(Strategy):
         self.offset_of = {id(p): off for b in self.buckets for p, _, off in b.params}
         self.groups = self._make_flat_groups(param_groups)
         self.optimizer = make_optimizer([
-            {**{k: v for k, v in g.items() if k not in ("params", "names")}, "params": [fg.master],
+            {**{k: v for k, v in g.items() if k not in ("params", "names")}, "params": fg.pieces,
              "segments": fg.segments, "n_tensors": len(g["params"]), "names": g["names"],
              "allreduce": self._allreduce}
             for g, fg in zip(param_groups, self.groups)])
@@ -116,14 +135,16 @@ class ZeroStrategy(Strategy):
     def _place(self, model: nn.Module) -> None:
         """Model on the device in compute dtype, rank 0's weights everywhere, and the dtypes of the
         reduction and of the shard the optimizer updates."""
-        model.to(device=self.ctx.device, dtype=self.precision.compute_dtype)
+        place(model, self.ctx.device, self.precision.compute_dtype)
         self.model, self.world, self.rank = model, self.ctx.world_size, self.ctx.rank
         for p in model.parameters():  # every rank starts from rank 0's weights
             dist.broadcast(p.data, src=0)
         self.reduce_dtype = torch.float32 if self.cfg.strategy.reduce_dtype == "fp32" else self.precision.compute_dtype
         # The shard the optimizer updates: fp32 master weights, except in bf16_pure, whose point
-        # is to update the 16-bit weights themselves (the owned chunk, then all-gathered).
+        # is to update the 16-bit weights themselves (the owned chunk, then all-gathered). Where
+        # that is the weights' own dtype, the shard is a view of the weights (module docstring).
         self.shard_dtype = self.precision.update_dtype
+        self.shard_is_weights = self.shard_dtype == self.precision.compute_dtype and self.stage < 3
 
     def _make_buckets(self, model: nn.Module, param_groups: list[dict]) -> list[Bucket]:
         order = {id(p): i for i, p in enumerate(model.parameters())}
@@ -132,7 +153,7 @@ class ZeroStrategy(Strategy):
         cap = bucket_cap(self.cfg.strategy.bucket_mb, self.precision.compute_dtype.itemsize)
         closed = [(gi, [(entries[i][3], entries[i][2]) for i in members])
                   for gi, members in pack_buckets([(gi, p.numel()) for _, gi, _, p in entries], cap)]
-        shard_pos = [0] * len(param_groups)
+        self.piece_sizes: list[list[int]] = [[] for _ in param_groups]  # per group, per piece: elements
         buckets = []
         for gi, members in closed:
             offsets, total = [], 0
@@ -140,11 +161,11 @@ class ZeroStrategy(Strategy):
                 offsets.append((p, ti, total))
                 total += p.numel()
             size = -(-total // self.world) * self.world
-            b = Bucket(group=gi, params=offsets, size=size, shard_pos=shard_pos[gi], world=self.world)
-            shard_pos[gi] += b.chunk
+            b = Bucket(group=gi, params=offsets, size=size, shard_pos=0, world=self.world,
+                       piece=len(self.piece_sizes[gi]))
+            self.piece_sizes[gi].append(b.chunk)
             self._flatten_params(b)
             buckets.append(b)
-        self.shard_sizes = shard_pos
         return buckets
 
     def _flatten_params(self, b: Bucket) -> None:
@@ -160,24 +181,43 @@ class ZeroStrategy(Strategy):
                 p.grad = b.flat_grads[off:off + p.numel()].view_as(p)
 
     def _make_flat_groups(self, param_groups: list[dict]) -> list[FlatGroup]:
-        groups = [FlatGroup(nn.Parameter(torch.zeros(n, dtype=self.shard_dtype, device=self.ctx.device)),
-                            names=list(g["names"])) for n, g in zip(self.shard_sizes, param_groups)]
-        for g in groups:
-            g.master.grad = torch.zeros_like(g.master)
+        """The shard's pieces (with their gradients) and segments, from the buckets' weights."""
+        dev = self.ctx.device
+        groups = [FlatGroup([None] * len(sizes), names=list(g["names"]))
+                  for sizes, g in zip(self.piece_sizes, param_groups)]
         for b in self.buckets:
             lo, hi = self.rank * b.chunk, (self.rank + 1) * b.chunk
             fg = groups[b.group]
-            fg.master.data[b.shard_pos:b.shard_pos + b.chunk].copy_(b.flat_params[lo:hi].float())
+            if self.shard_is_weights:  # the owned chunk of the weights is the shard (shares their storage)
+                fg.pieces[b.piece] = nn.Parameter(b.flat_params[lo:hi])
+            else:
+                if fg.pieces[b.piece] is None:
+                    size = self.piece_sizes[b.group][b.piece]
+                    fg.pieces[b.piece] = nn.Parameter(torch.zeros(size, dtype=self.shard_dtype, device=dev))
+                fg.pieces[b.piece].data[b.shard_pos:b.shard_pos + b.chunk].copy_(b.flat_params[lo:hi])
             for p, ti, off in b.params:
                 start, end = max(off, lo), min(off + p.numel(), hi)
                 if start < end:
-                    fg.segments.append(Segment(tensor=ti, start=b.shard_pos + start - lo,
-                                               end=b.shard_pos + end - lo, offset=start - off))
+                    fg.segments.append(Segment(tensor=ti, start=b.shard_pos + start - lo, end=b.shard_pos + end - lo,
+                                               offset=start - off, piece=b.piece))
+        for b in self.buckets:
+            piece = groups[b.group].pieces[b.piece]
+            if self.stage == 1 and self.shard_is_weights:  # zero1's whole gradient holds the reduced chunk
+                piece.grad = b.flat_grads[self.rank * b.chunk:(self.rank + 1) * b.chunk]
+            elif piece.grad is None:
+                piece.grad = torch.zeros_like(piece)
         return groups
 
-    def _grad_shard(self, group: int) -> torch.Tensor:
-        """Where group `group`'s reduce-scattered gradient chunks are summed: the fp32 shard."""
-        return self.groups[group].master.grad
+    def _shard_chunk(self, b: Bucket) -> torch.Tensor:
+        """This rank's chunk of bucket b in the shard the optimizer updates."""
+        return self.groups[b.group].pieces[b.piece].data[b.shard_pos:b.shard_pos + b.chunk]
+
+    def _grad_chunk(self, b: Bucket) -> torch.Tensor:
+        """Where bucket b's reduce-scattered gradient chunk goes: its place in the gradient shard."""
+        return self.groups[b.group].pieces[b.piece].grad[b.shard_pos:b.shard_pos + b.chunk]
+
+    def _shard_grads(self) -> list[torch.Tensor]:
+        return [piece.grad for g in self.groups for piece in g.pieces]
 
     def _allreduce(self, t: torch.Tensor) -> None:
         self.comm.record("all_reduce", t)
@@ -243,13 +283,16 @@ class ZeroStrategy(Strategy):
 
     def _drain(self, block: bool = True) -> None:
         """Collect launched reductions, oldest first, and add each averaged chunk into the
-        gradient shard (_grad_shard). Without `block`, stop at the first one still in flight.
+        gradient shard (_grad_chunk). Without `block`, stop at the first one still in flight.
         (Each bucket owns its own region of the shard, and a bucket's micro-batches are always
         collected in launch order, so the sums do not depend on when this runs.)"""
         while self.pending and (block or self.pending[0][0].is_completed()):
             work, out, b, buf = self.pending.popleft()
             work.wait()
-            self._grad_shard(b.group)[b.shard_pos:b.shard_pos + b.chunk].add_(out)
+            if self.stage == 1:  # once per step, into a zeroed shard or over this rank's own gradient
+                self._grad_chunk(b).copy_(out)
+            else:  # zero2 and zero3 sum every micro-batch's reduction
+                self._grad_chunk(b).add_(out)
             self._transient_free(out.untyped_storage().nbytes()
                                  + (buf.untyped_storage().nbytes() if buf is not b.flat_grads else 0))
             b.comm_buf = None  # zero2: the bucket's memory goes back to the allocator
@@ -267,11 +310,11 @@ class ZeroStrategy(Strategy):
     def step(self, lr: float, stats_level: int = 0) -> StepInfo:
         self.set_lr(lr)
         self._drain()
-        info = self.unscale_clip_update([g.master.grad for g in self.groups], stats_level)
+        info = self.unscale_clip_update(self._shard_grads(), stats_level)
         if not info.known_skipped:
             self._all_gather_params(wait=False)  # completes behind the next forward
-        for g in self.groups:
-            g.master.grad.zero_()
+        for grad in self._shard_grads():
+            grad.zero_()
         if self.stage == 1:
             for b in self.buckets:
                 b.flat_grads.zero_()
@@ -280,12 +323,13 @@ class ZeroStrategy(Strategy):
     @torch.no_grad()
     def _all_gather_params(self, wait: bool = True) -> None:
         """Write every bucket's updated chunks, in compute dtype, into the model's parameters.
-        Issued in forward order (the reverse of the bucket list), so the first layers arrive first."""
+        Issued in forward order (the reverse of the bucket list), so the first layers arrive first.
+        Where the shard is the weights, the input is the output's own chunk (gathered in place)."""
         self._wait_gathers()
         for i in reversed(range(len(self.buckets))):
             b = self.buckets[i]
-            chunk = self.groups[b.group].master[b.shard_pos:b.shard_pos + b.chunk].to(b.flat_params.dtype)
-            if chunk.dtype != self.groups[b.group].master.dtype:  # a 16-bit copy, alive until waited for
+            chunk = self._shard_chunk(b).to(b.flat_params.dtype)
+            if chunk.dtype != self.shard_dtype:  # a 16-bit copy, alive until waited for
                 self._gather_input_bytes[i] = chunk.untyped_storage().nbytes()
                 self._transient_alloc(self._gather_input_bytes[i], "step")
             self.comm.record("all_gather", b.flat_params)
@@ -304,7 +348,7 @@ class ZeroStrategy(Strategy):
     def describe_nonfinite(self) -> str:
         for g in self.groups:
             for s in g.segments:
-                if not torch.isfinite(g.master.grad[s.start:s.end]).all():
+                if not torch.isfinite(g.pieces[s.piece].grad[s.start:s.end]).all():
                     return f"first non-finite gradient: {g.names[s.tensor]} (on rank {self.rank})"
         return "the non-finite values are on another rank, or only their norm overflowed"
 
@@ -312,8 +356,8 @@ class ZeroStrategy(Strategy):
         self._wait_gathers()
         c = StorageCounter()
         c.add("params", (b.flat_params for b in self.buckets))
-        c.add("grads", (b.flat_grads for b in self.buckets)).add("grads", (g.master.grad for g in self.groups))
-        c.add("master", (g.master for g in self.groups)).add_optimizer(self.optimizer)
+        c.add("grads", (b.flat_grads for b in self.buckets)).add("grads", self._shard_grads())
+        c.add("master", (piece for g in self.groups for piece in g.pieces)).add_optimizer(self.optimizer)
         c.add("buffers", (b.comm_buf for b in self.buckets)).add("buffers", self.model.buffers())
         return c.result()
 
@@ -332,7 +376,7 @@ class ZeroStrategy(Strategy):
         out = {}
         for b in self.buckets:
             full = torch.empty(b.size, dtype=self.shard_dtype, device=self.ctx.device)
-            dist.all_gather_single(full, self.groups[b.group].master.data[b.shard_pos:b.shard_pos + b.chunk].contiguous())
+            dist.all_gather_single(full, self._shard_chunk(b).contiguous())
             if main:
                 for p, _, off in b.params:
                     for name in names.get(id(p), ()):
@@ -344,12 +388,16 @@ class ZeroStrategy(Strategy):
 
     # ---- checkpoints: this rank's pieces, keyed by parameter name and element range ----------
     def _pieces(self):
+        """(group, segment, {kind: the tensor of its piece}) for every segment this rank owns:
+        kind "master" (the shard) and every per-element optimizer state."""
         for g in self.groups:
-            state = self.optimizer.state.get(g.master, {})
-            tensors = {"master": g.master.data, **{k: v for k, v in state.items()
-                                                   if isinstance(v, torch.Tensor) and v.shape == g.master.shape}}
+            tensors = []
+            for piece in g.pieces:
+                state = self.optimizer.state.get(piece, {})
+                tensors.append({"master": piece.data, **{k: v for k, v in state.items()
+                                                         if isinstance(v, torch.Tensor) and v.shape == piece.shape}})
             for s in g.segments:
-                yield g, s, tensors
+                yield g, s, tensors[s.piece]
 
     def checkpoint_state(self) -> dict[str, ShardPiece]:
         self._wait_gathers()
@@ -369,20 +417,18 @@ class ZeroStrategy(Strategy):
             name = g.names[s.tensor]
             for kind, t in tensors.items():
                 t[s.start:s.end].copy_(read(f"{kind}/{name}", s.offset, s.offset + s.end - s.start))
-        for b in self.buckets:  # model weights follow the loaded master
-            b.flat_params.zero_()
-        self._all_gather_params()
+        self._all_gather_params()  # the model's weights follow the loaded shard (every chunk is written)
 
     def _materialise_optimizer_state(self) -> None:
         """A fresh optimizer has no state to load into: one update with zero gradients and lr 0
         creates it (and changes no weight); the loaded values then overwrite it."""
-        if all(self.optimizer.state.get(g.master) for g in self.groups):
+        if all(self.optimizer.state.get(piece) for g in self.groups for piece in g.pieces):
             return
         saved = [(grp["lr"], grp.get("weight_decay", 0.0)) for grp in self.optimizer.param_groups]
         for grp in self.optimizer.param_groups:
             grp["lr"] = 0.0
-        for g in self.groups:
-            g.master.grad.zero_()
+        for grad in self._shard_grads():
+            grad.zero_()
         self.optimizer.step()
         for grp, (lr, _) in zip(self.optimizer.param_groups, saved):
             grp["lr"] = lr
@@ -394,25 +440,29 @@ class ZeroStrategy(Strategy):
     # ---- memory prediction (zerolab.memory; the protocol: strategies/memory_protocol.py) ---------
     @classmethod
     def predict_memory(cls, p, shape, *, world, precision, k, bucket_mb, reduce_dtype, **_) -> None:
-        """Every bucket is padded to a multiple of N and rank r owns chunk r of each; master weights,
-        their gradient and the optimizer state are fp32 and exist for the owned chunks only.
-        Measured at the end of a step (as memory() sees it)."""
+        """Every bucket is padded to a multiple of N and rank r owns chunk r of each; the shard the
+        optimizer updates, its gradient and the optimizer state exist for the owned chunks only.
+        The shard is an fp32 master copy in mixed precision and a view of the weights where they
+        are in the dtype it updates (fp32, bf16_pure), as is zero1's gradient shard then. Measured
+        at the end of a step (as memory() sees it)."""
         n, c, dt, N = shape.n_params, COMPUTE_BYTES[precision], dtype_name(precision), world
         sizes = zero_buckets(shape, N, c, bucket_mb)
         padded, shard = sum(sizes), sum(sizes) // N
         pad = padded - n
+        s = state_bytes(precision)  # the shard's bytes per element: fp32, or bf16 in bf16_pure
+        sd = "bf16" if s == 2 else "fp32"
+        view = s == c  # the shard is the weights' own owned chunk (fp32 training, bf16_pure)
         p.add("params", n * c, f"{dt} weights, whole, views into per-bucket flat buffers: Ψ × {c}")
         if pad:
             p.add("params", pad * c, f"padding of {len(sizes)} bucket(s) to multiples of N: {fmt_n(pad)} × {c}")
         if cls.stage == 1:
             p.add("grads", padded * c, f"{dt} gradients, whole, views into per-bucket flat buffers "
-                                       f"(kept between steps): {fmt_n(padded)} × {c}")
-        s = state_bytes(precision)  # bf16_pure updates a bf16 shard: no fp32 anywhere
-        sd = "bf16" if s == 2 else "fp32"
-        p.add("grads", shard * s, f"{sd} gradient shard (the owned chunks): {fmt_n(shard)} × {s}")
-        p.add("master", shard * s, f"{sd} {'weight' if s == 2 else 'master'} shard the optimizer updates: "
-              f"{fmt_n(shard)} × {s}"
-              + (" (in fp32 training it duplicates the owned weights)" if precision == "fp32" else ""))
+                                       f"(kept between steps): {fmt_n(padded)} × {c}"
+                                       + (" (the owned chunks are the gradient shard)" if view else ""))
+        if not (cls.stage == 1 and view):
+            p.add("grads", shard * s, f"{sd} gradient shard (the owned chunks): {fmt_n(shard)} × {s}")
+        if not view:
+            p.add("master", shard * s, f"fp32 master shard the optimizer updates: {fmt_n(shard)} × {s}")
         p.add("optim_state", shard * k * s, f"optimizer state of the shard: {fmt_n(shard)} × {k:g} × {s}")
         rb = 4 if reduce_dtype == "fp32" else c
         if cls.stage == 2:
@@ -425,26 +475,27 @@ class ZeroStrategy(Strategy):
         in_flight = min(len(sizes), 1 + MAX_IN_FLIGHT)  # the drain runs after a launch past MAX_IN_FLIGHT
         p.add("transient", in_flight * (max(sizes) // N) * rb,
               f"reduce-scatter outputs (one chunk per bucket) of the {in_flight} bucket(s) in flight during backward")
-        if precision in MIXED:  # fp32 and bf16_pure all-gather straight from the shard (a view)
+        if not view:  # fp32 and bf16_pure all-gather in place, from the weights' own chunk
             p.add("transient", shard * c, f"{dt} copies of the owned chunks, the all-gather inputs of every bucket "
                                           f"from the optimizer step to the next forward: {fmt_n(shard)} × {c}", when="step")
         if shape.buffer_bytes:
             p.add("buffers", shape.buffer_bytes, "model buffers")
         paper = "4Ψ + KΨ/N" if cls.stage == 1 else "2Ψ + (2 + K)Ψ/N"
-        why = [f"zerolab keeps its {sd} gradient shard ({s}Ψ/N) on top of the whole gradients (the paper reduces "
-               "into them, no shard)" if cls.stage == 1 else
-               f"zerolab's gradient shard is {sd} ({s}Ψ/N) where the paper's is {c}-byte ({c}Ψ/N)" if s != c else ""]
-        if precision not in MIXED:
-            why.append(f"the {sd} shard the optimizer updates duplicates the owned weights ({s}Ψ/N); without mixed "
-                       "precision the paper's K has no master copy")
+        why = []
+        if not view:
+            why.append(f"zerolab keeps an {sd} gradient shard ({s}Ψ/N) on top of the whole gradients (the paper "
+                       "reduces into them, no shard)" if cls.stage == 1 else
+                       f"zerolab's gradient shard is {sd} ({s}Ψ/N) where the paper's is {c}-byte ({c}Ψ/N)")
         if pad:
             why.append("buckets are padded to multiples of N")
-        p.why = "; ".join(w for w in why if w)
-        p.notes.append(f"vs the paper ({paper} in mixed precision): the gradient shard is fp32 (4Ψ/N)"
-                       + (" on top of the whole 16-bit gradients" if cls.stage == 1 else " rather than 16-bit (2Ψ/N)")
-                       + ("; in fp32 training the fp32 master shard (4Ψ/N) duplicates owned weights"
-                          if precision == "fp32" else "")
-                       + ("; bf16_pure updates a bf16 shard (no fp32 copy)" if precision == "bf16_pure" else ""))
+        p.why = "; ".join(why)
+        if view:
+            p.notes.append(f"the shard the optimizer updates is a view of this rank's chunk of the {dt} weights (no "
+                           "master copy)" + (", and the gradient shard a view of its chunk of the whole gradients"
+                                             if cls.stage == 1 else ""))
+        else:
+            p.notes.append(f"vs the paper ({paper} in mixed precision): the gradient shard is fp32 (4Ψ/N)"
+                           + (" on top of the whole 16-bit gradients" if cls.stage == 1 else " rather than 16-bit (2Ψ/N)"))
 
 
 class Zero1Strategy(ZeroStrategy):

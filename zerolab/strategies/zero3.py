@@ -4,9 +4,10 @@ Read zero.py first: the buckets, the per-bucket chunks, the fp32 shard the optim
 the bucketed reduce-scatter of gradients are zero2's, reused from there. What stage 3 adds is
 that a rank no longer keeps the whole model between uses.
 
-Layout. The model is cut into units: each transformer block (`model.blocks`) is one, and the
-"root" unit holds every other parameter (the GPT's embeddings, tied LM head and final norm; all
-of a model without `.blocks`). Buckets are packed per unit, so a unit's weights are exactly its
+Layout. The model is cut into units: each of its repeated blocks is one (zerolab.models.find_blocks:
+the GPT's `blocks`, a transformers model's `model.layers` or `transformer.h`, or model.blocks), and
+the "root" unit holds every other parameter (the embeddings, tied LM head and final norm; all of
+a model without blocks). Buckets are packed per unit, so a unit's weights are exactly its
 buckets. Rank r keeps chunk r of every bucket as the persistent copy of the weights, in compute
 dtype: a slice of the fp32 master shard's compute-dtype twin (bf16/fp16), or the shard itself
 (fp32, and bf16_pure, where the optimizer updates the 16-bit weights). The model's parameters
@@ -74,7 +75,7 @@ import torch.nn as nn
 
 from zerolab.buckets import MAX_IN_FLIGHT, bucket_cap, pack_buckets
 from zerolab.accounting import MIXED, StorageCounter, dtype_name, fmt_n, state_bytes
-from zerolab.models import block_of_parameters
+from zerolab.models import block_of_parameters, find_blocks
 from zerolab.precision import COMPUTE_BYTES
 from zerolab.strategies.base import OptimizerFactory
 from zerolab.strategies.zero import Bucket, ZeroStrategy
@@ -114,6 +115,7 @@ class Unit:
 
 class Zero3Strategy(ZeroStrategy):
     name, stage = "zero3", 3  # zero.py's gradient path of stage >= 2: bucket copies, reduce-scatter per micro-batch
+    needs_blocks = True  # a user's model without repeated blocks is refused before any rank trains (zerolab.models.preflight)
     uses = ZeroStrategy.uses | {"strategy.reshard_after_forward"}
     # checkpoint_format "pieces" (zero.py): the fp32 master shard and optimizer state by parameter
     # name and element range, exactly zero2's, so zero3 reshards to and from ddp/zero1/zero2.
@@ -144,7 +146,7 @@ class Zero3Strategy(ZeroStrategy):
         self.local = [g.master.data if self.shard_dtype == self.precision.compute_dtype
                       else g.master.data.to(self.precision.compute_dtype) for g in self.groups]
         self.optimizer = make_optimizer([
-            {**{k: v for k, v in g.items() if k not in ("params", "names")}, "params": [fg.master],
+            {**{k: v for k, v in g.items() if k not in ("params", "names")}, "params": fg.pieces,
              "segments": fg.segments, "n_tensors": len(g["params"]), "names": g["names"],
              "allreduce": self._allreduce}
             for g, fg in zip(param_groups, self.groups)])
@@ -166,13 +168,15 @@ class Zero3Strategy(ZeroStrategy):
         return model
 
     def _make_units(self, model: nn.Module, param_groups: list[dict]) -> list[Unit]:
-        """[root, blocks.0, blocks.1, ...] in forward order. A parameter goes to a block only if
-        every name it is registered under lies inside that one block; anything shared between
-        units, or registered outside the blocks, goes to the root (block_of_parameters)."""
-        blocks = getattr(model, "blocks", None)
-        blocks = list(blocks) if isinstance(blocks, nn.ModuleList) else []
-        units = [Unit("root", model, [])] + [Unit(f"blocks.{i}", b, []) for i, b in enumerate(blocks)]
-        block_of = block_of_parameters(model)
+        """[root, blocks.0, blocks.1, ...] in forward order, the blocks being the model's repeated
+        blocks (zerolab.models.find_blocks: `blocks`, `model.layers`, `transformer.h`, ... or
+        model.blocks). A parameter goes to a block only if every name it is registered under
+        lies inside that one block; anything shared between units, or registered outside the
+        blocks, goes to the root (block_of_parameters)."""
+        found = find_blocks(model, self.cfg.model.blocks)
+        blocks = list(found.modules) if found is not None else []
+        units = [Unit("root", model, [])] + [Unit(f"{found.name}.{i}", b, []) for i, b in enumerate(blocks)]
+        block_of = block_of_parameters(model, self.cfg.model.blocks)
         trainable = {id(p) for g in param_groups for p in g["params"]}
         for p in model.parameters():  # registration order; frozen parameters stay whole, in no unit
             if id(p) in trainable:
@@ -199,7 +203,7 @@ class Zero3Strategy(ZeroStrategy):
             self._flatten_params(b)
             self.units[ui].buckets.append(len(buckets))
             buckets.append(b)
-        self.shard_sizes = shard_pos
+        self.piece_sizes = [[n] for n in shard_pos]  # one flat piece per group (zero.py's FlatGroup.master)
         return buckets
 
     # ---- gathering and freeing units ------------------------------------------------------------
@@ -285,8 +289,8 @@ class Zero3Strategy(ZeroStrategy):
             self._free(unit)
             unit.arrived = 0
 
-    def _grad_shard(self, group: int) -> torch.Tensor:
-        return self.grad_shards[group]
+    def _grad_chunk(self, b: Bucket) -> torch.Tensor:
+        return self.grad_shards[b.group][b.shard_pos:b.shard_pos + b.chunk]
 
     # ---- step -------------------------------------------------------------------------------
     def step(self, lr: float, stats_level: int = 0):

@@ -1,0 +1,270 @@
+"""`python -m zerolab dry-run`: rank r of an N-rank job, rehearsed in one process on fake tensors.
+
+What runs is the job's own code. The Trainer builds the model, the strategy wraps and shards it,
+and Trainer.train_step runs forward, backward, the strategy's gradient reduction and its
+optimizer step, each step a logged one, until the step's peak repeats; the memory monitor
+counts what exists exactly as on a logged step of a real run (zerolab.monitor), and the ledger's
+prediction for the same run is printed beside it. What is not real, and why it cannot change
+what is counted:
+
+- Tensors are fake (torch._subclasses.FakeTensorMode): shapes, dtypes and storage sizes, no data,
+  so a 7B model allocates nothing. Every storage is counted by size (accounting.storage_key).
+- The process group is torch's fake one (FakeProcessGroup, registered here): each collective
+  returns a correctly shaped output and moves nothing, so the strategies' own communication
+  code runs unchanged at any rank of any world size.
+- A value read back to the host (`.item()`: a loss, a norm, a loss scale, a skip flag, a step
+  counter) has no data behind it. It is answered in one place (_RehearsalMode): False for a flag
+  (no step skipped, nobody asked to stop), 1 for an integer, 1.0 for a float. None of them
+  changes what a step allocates; they only decide values.
+- What ranks exchange as objects (the figures gathered for the record) is this rank's own, and
+  the data is synthetic tokens of the configured shape (data.kind=synthetic).
+
+What it does not count: the allocator's rounding and fragmentation, NCCL's buffers, the CUDA
+context and kernels' workspaces; the output says so on a line of its own.
+
+DeepSpeed is not rehearsed: its engine moves the module with `.to()` (stages 1 and 2) and checks
+parameters across ranks by their data at its first forward (stage 3); the output shows the
+ledger's prediction and says why.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import resource
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
+
+from zerolab import dist as zdist
+from zerolab.accounting import CATEGORIES, human_bytes
+from zerolab.config import ConfigError, compose
+from zerolab.errors import ZerolabError
+from zerolab.schema import FaultConfig, ProfileConfig
+
+log = logging.getLogger("zerolab")
+
+MIN_STEPS, MAX_STEPS = 3, 8  # rehearsed steps: at least 3 (the optimizer state exists from the first), until the peak repeats
+NOT_COUNTED = ("not counted here (nor by the ledger): the allocator's rounding and fragmentation, NCCL's buffers, "
+               "the CUDA context and kernels' workspaces: leave a margin for them (python -m zerolab plan keeps 10%)")
+NOT_REHEARSED = {"deepspeed": "DeepSpeed's engine cannot run on fake tensors (stages 1 and 2 move the module with "
+                              ".to(), stage 3 checks parameters across ranks by their data at its first forward)",
+                 "torch_zero": "torch's ZeroRedundancyOptimizer exchanges parameter lists by their data at "
+                               "construction"}
+FIGURES = [  # (key of the run's per-rank figures, row label)
+    *((f"mem/{c}_bytes", c) for c in CATEGORIES),
+    ("mem/model_states_bytes", "model states"),
+    ("mem/activations_bytes", "activations"),
+    ("mem/peak_bytes", "peak"),
+    ("mem/peak_model_states_bytes", "  model states"),
+    ("mem/peak_activations_bytes", "  activations"),
+    ("mem/peak_transient_bytes", "  transient"),
+]
+
+
+# ---- the fake world ------------------------------------------------------------------------------
+def register_fake_backend() -> None:
+    """torch's C++ FakeProcessGroup as the `fake` backend, unless something registered it already
+    (importing torch.testing's fake_pg, as FSDP2's tests do, registers the same)."""
+    if "FAKE" in dist.Backend._plugins:
+        return
+    from torch._C._distributed_c10d import FakeProcessGroup
+
+    def create(common, options):
+        return FakeProcessGroup._create_internal(common.group_rank, common.group_size, options)
+
+    dist.Backend.register_backend("fake", create, extended_api=True, devices=["cpu", "cuda"])
+
+
+class _RehearsalMode(FakeTensorMode):
+    """Fake tensors whose host reads are answered (the module docstring says with what)."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default:
+            t = args[0]
+            return False if t.dtype == torch.bool else 1.0 if t.dtype.is_floating_point else 1
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+
+@dataclass
+class RehearsalContext(zdist.DistContext):
+    """Rank `rank` of `world_size` on the fake group: object exchanges return this rank's own."""
+
+    rehearsal: bool = True
+
+    def broadcast_object(self, obj, src: int = 0):
+        return obj  # (the fake group would hand back whatever bytes its buffer held)
+
+    def gather_objects(self, obj) -> list:
+        return [obj] * self.world_size
+
+    def all_reduce_mean(self, value: float) -> float:
+        return value
+
+    def barrier(self) -> None:
+        pass
+
+    def device_mesh(self):
+        # A DeviceMesh computes this rank's coordinates from a real tensor of ranks.
+        with unset_fake_temporarily():
+            return super().device_mesh()
+
+
+def _join(world: int, rank: int) -> RehearsalContext:
+    if dist.is_initialized():
+        raise ZerolabError("a dry run needs a process without a process group (it makes a fake one)")
+    register_fake_backend()
+    dist.init_process_group("fake", store=dist.HashStore(), rank=rank, world_size=world)
+    host = dist.new_group(backend="fake") if world > 1 else None
+    return RehearsalContext(rank=rank, local_rank=0, world_size=world, device=torch.device("cpu"), backend="fake",
+                            store=None, host_group=host)
+
+
+# ---- the rehearsal -------------------------------------------------------------------------------
+@dataclass
+class Rehearsal:
+    world: int
+    rank: int
+    strategy: str
+    model: str
+    precision: str
+    n_params: int = 0
+    steps: int = 0
+    seconds: float = 0.0
+    rss_peak_bytes: int = 0  # this process's, for the record of what a rehearsal costs
+    measured: dict = field(default_factory=dict)  # the run's figure keys (mem/...), as a real run logs them
+    predicted: dict = field(default_factory=dict)  # the ledger's, under the same keys (None where it has no model)
+    peaks: list = field(default_factory=list)  # mem/peak_bytes of every rehearsed step
+    not_rehearsed: str = ""  # why not, for a strategy that cannot run on fake tensors
+
+    def to_dict(self) -> dict:
+        return {**vars(self), "not_counted": NOT_COUNTED}
+
+
+def rehearsal_config(overrides: list[str], world: int):
+    """The job's config for `world` ranks, validated as the job's would be, with what a rehearsal
+    must not do switched off: no data read (synthetic tokens of the same shape), no weights read,
+    no wandb, no checkpoint written or resumed, no eval, no faults or profiles; every step logged."""
+    cfg = compose(overrides, world_size=world)
+    cfg.data.kind = "synthetic"
+    cfg.model.weights = ""
+    cfg.logging.wandb.mode, cfg.logging.progress = "disabled", False
+    cfg.checkpoint.every, cfg.checkpoint.resume = 0, ""
+    cfg.trainer.eval_every, cfg.trainer.log_every = 0, 1
+    cfg.trainer.max_steps = MAX_STEPS
+    cfg.run.save_model = False
+    cfg.fault, cfg.profile = FaultConfig(), ProfileConfig()
+    return cfg
+
+
+def rehearse(overrides: list[str], world: int, rank: int = 0) -> Rehearsal:
+    """Rank `rank` of a `world`-rank job configured by `overrides` (train.py's), rehearsed in this
+    process. Rank 0 by default: where shards are uneven (FSDP2's), the first ranks hold the most."""
+    if not 0 <= rank < world:
+        raise ConfigError(f"--rank {rank} is not a rank of a {world}-rank job (0 to {world - 1})")
+    cfg = rehearsal_config(overrides, world)
+    out = Rehearsal(world, rank, cfg.strategy.name, cfg.model.name, cfg.precision.name)
+    if cfg.strategy.name in NOT_REHEARSED:
+        out.not_rehearsed = NOT_REHEARSED[cfg.strategy.name]
+        out.predicted = _ledger_only(cfg, world, rank)
+        return out
+    from zerolab.trainer import Trainer  # (the trainer imports the models, strategies and data)
+
+    start = time.perf_counter()
+    ctx = _join(world, rank)
+    try:
+        with tempfile.TemporaryDirectory(prefix="zerolab-dry-run-") as run_dir, _RehearsalMode():
+            trainer = Trainer(cfg, ctx, run_dir=run_dir)
+            try:
+                out.n_params = trainer.n_params
+                for step in range(MAX_STEPS):
+                    loss, lr, info = trainer.train_step(step)
+                    _, per_rank = trainer.log_step(step, 1.0, loss, lr, info)
+                    out.measured = {k: v for k, v in per_rank[rank].items() if k.startswith("mem/")}
+                    out.peaks.append(out.measured["mem/peak_bytes"])
+                    out.steps = step + 1
+                    if out.steps >= MIN_STEPS and out.peaks[-1] == out.peaks[-2]:
+                        break
+                out.predicted = _predicted(trainer.memory, rank)
+            finally:
+                trainer.close()
+    finally:
+        zdist.shutdown(ctx)
+    out.seconds = time.perf_counter() - start
+    out.rss_peak_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return out
+
+
+def _predicted(memory, rank: int) -> dict:
+    """The ledger's prediction for this rank under the figures' keys (zerolab.monitor's)."""
+    out = {}
+    if memory.predicted:
+        out.update({f"mem/{k}_bytes": v for k, v in memory.predicted[rank].bytes().items()})
+    if memory.activations_predicted is not None:
+        out["mem/activations_bytes"] = memory.activations_predicted
+    if memory.peak_predicted:
+        pk = memory.peak_predicted[rank]
+        out.update({"mem/peak_bytes": pk.bytes, "mem/peak_phase": pk.phase,
+                    **{f"mem/peak_{k}_bytes": v for k, v in pk.parts.items()}})
+    return out
+
+
+def _ledger_only(cfg, world: int, rank: int) -> dict:
+    from zerolab.memory import ledger_for_run
+
+    preds = ledger_for_run(cfg, world)
+    return {f"mem/{k}_bytes": v for k, v in preds[rank].bytes().items()} if preds else {}
+
+
+# ---- output --------------------------------------------------------------------------------------
+def format_rehearsal(r: Rehearsal) -> str:
+    head = (f"dry run of rank {r.rank} of {r.world}: model {r.model}"
+            + (f" ({r.n_params:,} parameters)" if r.n_params else "")
+            + f" | strategy {r.strategy} | precision {r.precision}")
+    if r.not_rehearsed:
+        lines = [head, f"not rehearsed: {r.not_rehearsed}.", "the ledger's prediction for this rank:"]
+        lines += [f"  {label:<15} {human_bytes(r.predicted[key]):>12}" for key, label in FIGURES if key in r.predicted]
+        return "\n".join(lines)
+    lines = [head, f"{'':<17}{'rehearsed':>12} {'ledger':>12} {'difference':>12}"]
+    for key, label in FIGURES:
+        m, p = r.measured.get(key), r.predicted.get(key)
+        if m is None:
+            continue
+        diff = "" if p is None else f"{m - p:+,}" if abs(m - p) < 10_000 else f"{100 * (m - p) / p:+.2f}%" if p else ""
+        lines.append(f"{label:<17}{human_bytes(m):>12} {human_bytes(p) if p is not None else '-':>12} {diff:>12}")
+    phase = r.measured.get("mem/peak_phase")
+    lines.append(f"the peak is in the {phase}" + (f" (the ledger's: in the {r.predicted['mem/peak_phase']})"
+                                                  if "mem/peak_phase" in r.predicted else ""))
+    lines.append(f"{r.steps} steps rehearsed in {r.seconds:.1f} s (this process's peak RSS "
+                 f"{human_bytes(r.rss_peak_bytes)}); peaks per step: {', '.join(human_bytes(p) for p in r.peaks)}")
+    lines.append(NOT_COUNTED)
+    return "\n".join(lines)
+
+
+def cli_main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m zerolab dry-run",
+        description="Rehearse rank R of an N-rank job in this process, on fake tensors and a fake process group: "
+                    "the job's own model, strategy, forward, backward, reduction and optimizer step, and the "
+                    "memory a real run would count, beside the ledger's prediction.")
+    parser.add_argument("--world", type=int, required=True, help="ranks of the job rehearsed")
+    parser.add_argument("--rank", type=int, default=0, help="which rank (default 0)")
+    parser.add_argument("--json", action="store_true", help="print JSON (the run's mem/... keys) instead of a table")
+    parser.add_argument("overrides", nargs="*", help="config overrides, as for train.py (strategy=zero3 model=hf ...)")
+    args = parser.parse_args(argv)
+    if args.world < 1:
+        parser.error("--world must be at least 1")
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    try:
+        result = rehearse(args.overrides, args.world, args.rank)
+    except ConfigError as err:
+        print(f"zerolab dry-run: {err}", file=sys.stderr)
+        return 2
+    print(json.dumps(result.to_dict(), indent=2) if args.json else format_rehearsal(result))
+    return 0
