@@ -110,3 +110,42 @@ def test_gpu_check_script_syntax_and_arguments():
     assert sync.endswith("bench/sync_check.py --device cuda --out bench/RESULTS.md"), sync
     bad = subprocess.run(["bash", script, "--steps", "x"], capture_output=True, text=True, env=base_env(), cwd=ROOT)
     assert bad.returncode == 2 and "'x' is not a positive integer" in bad.stderr
+
+
+def test_a_users_model_is_planned_from_its_own_activations(tmp_path, capsys):
+    """model=hf overrides, as for train.py: its activations are measured on fake tensors
+    (zerolab.rehearsal.activation_model), so each row's activations are what a dry run of that
+    row counts, to the byte."""
+    pytest.importorskip("transformers")
+    from test_models import write_configs
+    from zerolab.rehearsal import rehearse
+
+    config = write_configs(tmp_path)["llama"]
+    model = ["model=hf", f"model.config={config}"]
+    assert cli_main(["--gpu-mem", "30MB", "--world", "2", "--seq", "64", "--precision", "fp32", "--json", *model]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["device"] == "cpu (rehearsed)" and out["shape"]["vocab_size"] == 512
+    row = next(r for r in out["rows"] if r["strategy"] == "zero3" and r["checkpointing"] == "none")
+    assert row["max_micro_batch"] >= 1
+    r = rehearse([*model, "model.block_size=64", "strategy=zero3", "precision=fp32",
+                  f"data.micro_batch={row['max_micro_batch']}"], world=2)
+    assert row["bytes"]["activations"] == r.measured["mem/activations_bytes"]
+
+
+def test_exact_rehearses_every_row_within_the_budget(capsys):
+    """--exact: every row a rehearsal can run is rehearsed at its micro-batch; the micro-batch it
+    confirms (the plan's, or the largest below whose rehearsed peak fits) is within the budget."""
+    assert cli_main(["--model", "gpt_tiny", "--gpu-mem", "40MB", "--world", "2", "--precision", "fp32", "--device",
+                     "cpu", "--exact", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    rehearsed = [r for r in out["rows"] if not r["not_rehearsed"]]
+    assert {r["strategy"] for r in rehearsed} >= {"ddp", "zero1", "zero2", "zero3", "fsdp"}
+    assert all("DeepSpeed" in r["not_rehearsed"] for r in out["rows"] if r["strategy"].startswith("deepspeed"))
+    for r in rehearsed:
+        assert r["rehearsed_micro_batch"] <= r["max_micro_batch"], r
+        assert r["rehearsed_peak_bytes"] <= out["budget_bytes"], r
+
+
+def test_the_model_must_be_named(capsys):
+    assert cli_main(["--gpu-mem", "8GB", "strategy=zero2"]) == 2
+    assert "name the model" in capsys.readouterr().err

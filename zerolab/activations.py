@@ -91,6 +91,7 @@ class ActivationPrediction:
     checkpointing: str
     terms: list = field(default_factory=list)
     layer_bytes: int = 0  # one non-checkpointed transformer layer (the recompute working set)
+    block_input_bytes: int = 0  # what a checkpointed block keeps of it: its input
 
     def add(self, what: str, nbytes: float, count: int = 1) -> None:
         if nbytes and count:
@@ -103,7 +104,7 @@ class ActivationPrediction:
     def to_dict(self) -> dict:
         return {"model": self.model, "micro_batch": self.micro_batch, "seq": self.seq,
                 "precision": self.precision, "device": self.device, "checkpointing": self.checkpointing,
-                "bytes": self.bytes, "layer_bytes": self.layer_bytes,
+                "bytes": self.bytes, "layer_bytes": self.layer_bytes, "block_input_bytes": self.block_input_bytes,
                 "terms": [{"what": t.what, "bytes": t.bytes, "count": t.count} for t in self.terms]}
 
 
@@ -190,7 +191,7 @@ def predict_activations(mcfg, micro_batch: int, seq: Optional[int] = None, preci
     if p > 0:
         pred.add("embedding dropout mask", b * s * h * (c if device == "cpu" else 1))
     layer = _gpt_layer(b, s, h, a, c, p, device)
-    pred.layer_bytes = sum(x for _, x in layer)
+    pred.layer_bytes, pred.block_input_bytes = sum(x for _, x in layer), b * s * h * c
     ckpt = checkpointed_blocks(L, mode, k)
     full, recomputed = ckpt.count(False), ckpt.count(True)
     for what, nbytes in layer:

@@ -20,7 +20,7 @@ from zerolab.models import MODELS
 
 
 class MemoryMonitor:
-    def __init__(self, cfg, ctx, model: torch.nn.Module, compute_bytes: int):
+    def __init__(self, cfg, ctx, model: torch.nn.Module):
         """`model`: the module about to be trained, before the strategy wraps or shards it."""
         self.ctx, world = ctx, ctx.world_size
         self.predicted = ledger_for_run(cfg, world, model)  # model states per rank, or None
@@ -28,11 +28,9 @@ class MemoryMonitor:
         act = predict_activations(cfg.model, cfg.data.micro_batch, precision=cfg.precision.name,
                                   device=ctx.device.type) if isinstance(model, tuple(MODELS.values())) else None
         self.activations_predicted = act.bytes if act else None
-        self.peak_predicted = peak_for_run(self.predicted, act, cfg.model, cfg.data.micro_batch, cfg.model.block_size,
-                                           cfg.precision.name)
+        self.peak_predicted = peak_for_run(self.predicted, act, cfg.model, cfg.data.micro_batch, cfg.model.block_size)
         # One recomputed checkpointed block, from the formula: the meter sees the forward only.
-        self.recompute = recompute_bytes(act, cfg.data.micro_batch, cfg.model.block_size,
-                                         getattr(cfg.model, "n_embd", 0), compute_bytes) if act else 0
+        self.recompute = recompute_bytes(act) if act else 0
         self.activations, self.logits_numel = 0, 0  # measured by the last metered forward (this rank)
         self.states_check, self.peak_check = {}, {}  # filled at the first real update
         self.strategy = None

@@ -92,7 +92,9 @@ class Fit:
 
 class Planner:
     def __init__(self, mcfg, world: int, seq: int, precision: str = "bf16", optim: str = "adamw",
-                 device: str = "cuda", bucket_mb: float = 25.0, every_k: int = 2):
+                 device: str = "cuda", bucket_mb: float = 25.0, every_k: int = 2, activations=None):
+        """`activations(micro_batch, checkpointing)` -> an activation prediction; default
+        zerolab.activations' formula for zerolab's models (a user's model: rehearsal.activation_model)."""
         if world < 1:
             raise ValueError(f"--world must be >= 1, got {world}")
         if seq < 1 or seq > mcfg.block_size:
@@ -100,7 +102,9 @@ class Planner:
         if precision not in COMPUTE_BYTES:
             raise ValueError(f"unknown precision {precision!r}; known: {', '.join(COMPUTE_BYTES)}")
         self.mcfg, self.world, self.seq, self.precision = mcfg, world, seq, precision
-        self.optim, self.device, self.every_k = optim, device, every_k
+        self.optim, self.device, self.every_k, self.bucket_mb = optim, device, every_k, bucket_mb
+        self.activations = activations or (lambda b, ck: predict_activations(
+            mcfg, b, seq, precision, device, checkpointing=ck, every_k=every_k))
         self.shape = shape_from_model_config(mcfg)
         # Every strategy (and stage) the memory sweep lists, in the registry's order; those that
         # cannot run `precision` are left out (memory.sweep_predictions).
@@ -109,9 +113,8 @@ class Planner:
 
     def peak(self, label: str, micro_batch: int, checkpointing: str) -> tuple[int, dict, str]:
         """(peak bytes, bytes by category at that moment, the moment: backward | step)."""
-        acts = predict_activations(self.mcfg, micro_batch, self.seq, self.precision, self.device,
-                                   checkpointing=checkpointing, every_k=self.every_k)
-        pk = predicted_peak(self.states[label], acts, self.mcfg, micro_batch, self.seq, COMPUTE_BYTES[self.precision])
+        acts = self.activations(micro_batch, checkpointing)
+        pk = predicted_peak(self.states[label], acts, self.mcfg, micro_batch, self.seq)
         return pk.bytes, pk.categories, pk.phase
 
     def fit(self, label: str, budget: int, checkpointing: str) -> Fit:
@@ -133,9 +136,10 @@ class Planner:
 
 def format_plan(planner: Planner, fits: list[Fit], gpu_mem: int, margin: float) -> str:
     m, budget = planner.mcfg, int(gpu_mem * (1 - margin))
-    head = (f"{m.name}: {planner.shape.n_params:,} parameters (L {m.n_layer}, h {m.n_embd}, heads {m.n_head}, "
-            f"V {m.vocab_size}) | {planner.precision} | {planner.optim} | world {planner.world} | seq {planner.seq} | "
-            f"activations as on {planner.device}")
+    shape = (f"L {m.n_layer}, h {m.n_embd}, heads {m.n_head}, V {m.vocab_size}" if m.kind == "gpt" else
+             f"{m.config or m.target}, V {m.vocab_size}")
+    head = (f"{m.name}: {planner.shape.n_params:,} parameters ({shape}) | {planner.precision} | {planner.optim} | "
+            f"world {planner.world} | seq {planner.seq} | activations as on {planner.device}")
     lines = [head, f"budget per rank: {human_bytes(budget)} = {human_bytes(gpu_mem)} × (1 − margin {margin:g})", ""]
     cols = f"{'strategy':<12} {'ckpt':<7} {'max mb':>7} {'peak/rank':>10}  " + " ".join(
         f"{c:>11}" for c in ("states", "activations", "transient")) + "  dominant"
@@ -183,13 +187,107 @@ def plot_plan(path: str, planner: Planner, fits: list[Fit], gpu_mem: int, margin
     plt.close(fig)
 
 
+# ---- --exact: the chosen micro-batches rehearsed (zerolab.rehearsal) -------------------------------
+def strategy_overrides(label: str) -> list[str]:
+    """A plan row's strategy label (its MemoryModel.memory_identity: name, or name-<stage>) as overrides."""
+    name, _, stage = label.partition("-")
+    return [f"strategy={name}"] + ([f"strategy.stage={stage}"] if stage else [])
+
+
+def model_overrides(mcfg) -> list[str]:
+    """A derived GPT shape (--params) as the overrides that build it."""
+    keys = ("n_layer", "n_embd", "n_head", "vocab_size", "block_size", "dropout", "bias")
+    return ["model=gpt_tiny", f"model.name={mcfg.name}", *(f"model.{k}={getattr(mcfg, k)}" for k in keys)]
+
+
+def confirm(fit: Fit, planner: Planner, job: list[str], budget: int) -> dict:
+    """Rehearse rank 0 at the row's micro-batch; if its peak is over the budget, find by bisection
+    the largest micro-batch whose rehearsed peak is within it. The row's `rehearsed` fields."""
+    from zerolab.rehearsal import rehearse
+
+    def peak(mb: int):
+        r = rehearse([*job, *strategy_overrides(fit.label), f"precision={planner.precision}",
+                      f"optim={planner.optim}", f"strategy.bucket_mb={planner.bucket_mb}", f"data.micro_batch={mb}",
+                      f"model.activation_checkpointing={fit.checkpointing}"], world=planner.world)
+        return r.not_rehearsed, r.measured.get("mem/peak_bytes")
+
+    if not fit.micro_batch:
+        return {"rehearsed_micro_batch": 0, "rehearsed_peak_bytes": None, "not_rehearsed": "nothing fits the plan"}
+    why, at = peak(fit.micro_batch)
+    if why:
+        return {"rehearsed_micro_batch": None, "rehearsed_peak_bytes": None, "not_rehearsed": why}
+    best, best_peak, lo, hi = fit.micro_batch, at, 0, fit.micro_batch
+    if at > budget:
+        best, best_peak = 0, None
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            _, got = peak(mid)
+            lo, hi = (mid, hi) if got <= budget else (lo, mid)
+            if got <= budget:
+                best, best_peak = mid, got
+    return {"rehearsed_micro_batch": best, "rehearsed_peak_bytes": best_peak, "planned_peak_rehearsed_bytes": at,
+            "not_rehearsed": ""}
+
+
+def format_exact(fits: list[Fit], confirmed: list[dict], budget: int) -> str:
+    lines = ["", f"--exact: each row rehearsed on rank 0 (python -m zerolab dry-run), against the budget {human_bytes(budget)}:",
+             f"{'strategy':<12} {'ckpt':<7} {'plan mb':>7} {'rehearsed peak':>15}  verdict"]
+    for f, c in zip(fits, confirmed):
+        if c["not_rehearsed"]:
+            verdict, shown = f"not rehearsed: {c['not_rehearsed'].split(' (')[0]}", "-"
+        elif c["rehearsed_micro_batch"] == f.micro_batch:
+            verdict, shown = "fits, as planned", human_bytes(c["planned_peak_rehearsed_bytes"])
+        else:
+            verdict = (f"over the budget at mb {f.micro_batch}; the largest that fits: "
+                       f"{c['rehearsed_micro_batch'] or 'none'}")
+            shown = human_bytes(c["planned_peak_rehearsed_bytes"])
+        lines.append(f"{f.label:<12} {f.checkpointing:<7} {f.micro_batch or 'none':>7} {shown:>15}  {verdict}")
+    lines.append("A rehearsal runs the job's own step on fake tensors with CPU kernels: where they save other "
+                 "tensors than a GPU's (attention with dropout), its activations are the CPU's.")
+    return "\n".join(lines)
+
+
+def _model(args) -> tuple:
+    """(model config, the overrides that build it for a rehearsal, the activation model or None)."""
+    if args.params is not None:
+        if args.overrides:
+            raise ValueError("--params derives a GPT shape; model overrides name a model: give one of them")
+        mcfg = derived_gpt(args.params, args.seq or 2048, args.vocab, args.layers, args.width, args.heads)
+        return mcfg, model_overrides(mcfg), None
+    if args.layers or args.width or args.heads:
+        raise ValueError("--layers/--width/--heads shape a model given by --params; --model has its own")
+    job = ([f"model={args.model}"] if args.model else []) + list(args.overrides)
+    if not any(o.split("=")[0].lstrip("+") in ("model", "model.config", "model.target") for o in job):
+        raise ValueError("name the model: --model NAME (conf/model/), --params N, or overrides as for train.py "
+                         "(model=hf model.config=PATH, model=custom model.target=pkg.module:Class)")
+    from zerolab.config import check_overrides, compose, config_groups
+    from zerolab.models import resolve
+
+    check_overrides(job, config_groups())
+    mcfg = compose(job).model
+    if mcfg.kind == "mlp":
+        raise ValueError("the planner sizes language models with blocks (model.kind=mlp has none)")
+    if mcfg.kind == "gpt":  # --seq is checked against its block_size (Planner); a rehearsal trains windows of --seq
+        return mcfg, job + ([f"model.block_size={args.seq}"] if args.seq else []), None
+    if args.seq:  # a user's model: --seq is the training window (checked against its positions)
+        job.append(f"model.block_size={args.seq}")
+        mcfg = compose(job).model
+    resolve(mcfg)  # model=hf: its vocabulary and window
+    from zerolab.rehearsal import activation_model
+
+    return mcfg, job, activation_model(mcfg, mcfg.block_size, args.precision)
+
+
 def cli_main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="python -m zerolab plan",
                                 description="The largest micro-batch per rank that fits each strategy, with and without "
                                             "activation checkpointing, and the peak memory it predicts.")
-    src = p.add_mutually_exclusive_group(required=True)
+    src = p.add_mutually_exclusive_group()
     src.add_argument("--model", help="a model config name from conf/model/ (e.g. gpt2_124m)")
     src.add_argument("--params", type=float, help="parameter count, e.g. 7e9: a GPT shape is derived (GPT-3's proportions)")
+    p.add_argument("overrides", nargs="*",
+                   help="the model as train.py takes it: model=hf model.config=PATH, model=custom model.target=... "
+                        "(its activations are then measured on fake tensors)")
     p.add_argument("--layers", type=int, default=0, help="with --params: layers (default: derived)")
     p.add_argument("--width", type=int, default=0, help="with --params: n_embd (default: derived, a multiple of 128)")
     p.add_argument("--heads", type=int, default=0, help="with --params: heads (default: width / 128)")
@@ -203,38 +301,39 @@ def cli_main(argv: list[str]) -> int:
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
                    help="whose kernels save the activations (attention, dropout masks differ)")
     p.add_argument("--bucket-mb", type=float, default=25.0, help="strategy.bucket_mb")
+    p.add_argument("--exact", action="store_true",
+                   help="confirm each row's micro-batch by rehearsing rank 0 (python -m zerolab dry-run)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.add_argument("--plot", help="also write this PNG: peak per rank against micro-batch, the memory line drawn")
     args = p.parse_args(argv)
+    from zerolab.config import ConfigError
+
     try:
         gpu_mem = parse_bytes(args.gpu_mem)
         if not 0 <= args.margin < 1:
             raise ValueError(f"--margin={args.margin} must be in [0, 1)")
-        if args.params is not None:
-            mcfg = derived_gpt(args.params, args.seq or 2048, args.vocab, args.layers, args.width, args.heads)
-        else:
-            if args.layers or args.width or args.heads:
-                raise ValueError("--layers/--width/--heads shape a model given by --params; --model has its own")
-            mcfg = load_model_config(args.model)
-        if mcfg.kind != "gpt":
-            raise ValueError(f"--model {args.model}: the planner sizes GPT models (model.kind=gpt)")
-        planner = Planner(mcfg, args.world, args.seq or mcfg.block_size, args.precision, args.optim, args.device,
-                          args.bucket_mb)
-    except (ValueError, NotImplementedError) as e:
+        mcfg, job, activations = _model(args)
+        planner = Planner(mcfg, args.world, args.seq or mcfg.block_size, args.precision, args.optim,
+                          "cpu (rehearsed)" if activations else args.device, args.bucket_mb, activations=activations)
+    except (ValueError, NotImplementedError, ConfigError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     budget = int(gpu_mem * (1 - args.margin))
     fits = planner.table(budget)
+    confirmed = [confirm(f, planner, job, budget) for f in fits] if args.exact else []
     if args.json:
         m = planner.mcfg
+        rows = [{**f.to_dict(), **(confirmed[i] if confirmed else {})} for i, f in enumerate(fits)]
         print(json.dumps({"model": m.name, "n_params": planner.shape.n_params,
-                          "shape": {"n_layer": m.n_layer, "n_embd": m.n_embd, "n_head": m.n_head,
-                                    "vocab_size": m.vocab_size},
+                          "shape": {k: getattr(m, k) for k in ("n_layer", "n_embd", "n_head", "vocab_size")}
+                          if m.kind == "gpt" else {"vocab_size": m.vocab_size, "source": m.config or m.target},
                           "precision": args.precision, "optim": args.optim, "world": args.world, "seq": planner.seq,
-                          "device": args.device, "gpu_mem_bytes": gpu_mem, "margin": args.margin,
-                          "budget_bytes": budget, "rows": [f.to_dict() for f in fits]}, indent=2))
+                          "device": planner.device, "gpu_mem_bytes": gpu_mem, "margin": args.margin,
+                          "budget_bytes": budget, "rows": rows}, indent=2))
     else:
         print(format_plan(planner, fits, gpu_mem, args.margin))
+        if confirmed:
+            print(format_exact(fits, confirmed, budget))
     if args.plot:
         plot_plan(args.plot, planner, fits, gpu_mem, args.margin)
         print(f"plot: {args.plot}", file=sys.stderr if args.json else sys.stdout)

@@ -51,10 +51,13 @@ class LossScaler:
     def __init__(self, cfg: PrecisionConfig, enabled: bool, device: torch.device = torch.device("cpu")):
         self.enabled = enabled
         self.growth_interval, self.min_scale = cfg.growth_interval, cfg.min_scale
-        self.scale_tensor = torch.full((), cfg.initial_scale if enabled else 1.0, dtype=torch.float64, device=device)
-        self._clean = torch.zeros((), dtype=torch.int64, device=device)
-        self._skipped = torch.zeros((), dtype=torch.int64, device=device)
-        self._underflow_step = torch.full((), -1, dtype=torch.int64, device=device)
+        # torch.tensor (not torch.full): a dry run's fake tensors keep the value of a scalar made
+        # this way through every operation on known values (FakeTensorMode's constants), so its
+        # host reads of the scaler stay exact (zerolab.rehearsal).
+        self.scale_tensor = torch.tensor(cfg.initial_scale if enabled else 1.0, dtype=torch.float64, device=device)
+        self._clean = torch.tensor(0, dtype=torch.int64, device=device)
+        self._skipped = torch.tensor(0, dtype=torch.int64, device=device)
+        self._underflow_step = torch.tensor(-1, dtype=torch.int64, device=device)
 
     # ---- host views (each a read of the device: logged steps, checkpoints, messages) -----------
     @property

@@ -12,12 +12,19 @@ what is counted:
 - The process group is torch's fake one (FakeProcessGroup, registered here): each collective
   returns a correctly shaped output and moves nothing, so the strategies' own communication
   code runs unchanged at any rank of any world size.
-- A value read back to the host (`.item()`: a loss, a norm, a loss scale, a skip flag, a step
-  counter) has no data behind it. It is answered in one place (_RehearsalMode): False for a flag
-  (no step skipped, nobody asked to stop), 1 for an integer, 1.0 for a float. None of them
-  changes what a step allocates; they only decide values.
+- A value read back to the host (`.item()`) has no data behind it, except where it never
+  depended on data: the loss scale, its counters and the optimizer's step counters are scalars
+  that fake tensors keep as constants (they are made with torch.tensor for this), and read
+  exactly. Everything else (a loss, a gradient norm, a trust ratio) is answered in one place
+  (_RehearsalMode): 1.0 for a float, 1 for an integer, False for a flag (no step skipped, nobody
+  asked to stop). Every rehearsed step is a logged one, so the steps are decided on the host from
+  those answers (a finite norm: the update happens); none of them changes what is allocated.
 - What ranks exchange as objects (the figures gathered for the record) is this rank's own, and
   the data is synthetic tokens of the configured shape (data.kind=synthetic).
+- transformers asks one question of the data itself: whether a batch packs several sequences
+  (then it builds a B x T x T mask). On fake tensors it cannot tell and builds the mask; zerolab's
+  batches are whole windows and never pack, which is what a real run finds, so the rehearsal
+  answers that (_whole_windows).
 
 What it does not count: the allocator's rounding and fragmentation, NCCL's buffers, the CUDA
 context and kernels' workspaces; the output says so on a line of its own.
@@ -29,6 +36,7 @@ ledger's prediction and says why.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import resource
@@ -44,9 +52,10 @@ from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 
 from zerolab import dist as zdist
 from zerolab.accounting import CATEGORIES, human_bytes
-from zerolab.config import ConfigError, compose
+from zerolab.config import ConfigError, check_overrides, compose, config_groups
 from zerolab.errors import ZerolabError
 from zerolab.schema import FaultConfig, ProfileConfig
+from zerolab.trainer import Trainer
 
 log = logging.getLogger("zerolab")
 
@@ -54,9 +63,7 @@ MIN_STEPS, MAX_STEPS = 3, 8  # rehearsed steps: at least 3 (the optimizer state 
 NOT_COUNTED = ("not counted here (nor by the ledger): the allocator's rounding and fragmentation, NCCL's buffers, "
                "the CUDA context and kernels' workspaces: leave a margin for them (python -m zerolab plan keeps 10%)")
 NOT_REHEARSED = {"deepspeed": "DeepSpeed's engine cannot run on fake tensors (stages 1 and 2 move the module with "
-                              ".to(), stage 3 checks parameters across ranks by their data at its first forward)",
-                 "torch_zero": "torch's ZeroRedundancyOptimizer exchanges parameter lists by their data at "
-                               "construction"}
+                              ".to(), stage 3 checks parameters across ranks by their data at its first forward)"}
 FIGURES = [  # (key of the run's per-rank figures, row label)
     *((f"mem/{c}_bytes", c) for c in CATEGORIES),
     ("mem/model_states_bytes", "model states"),
@@ -88,8 +95,29 @@ class _RehearsalMode(FakeTensorMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func is torch.ops.aten._local_scalar_dense.default:
             t = args[0]
+            if getattr(t, "constant", None) is not None:  # a value fake tensors still know (a counter)
+                return t.constant.item()
             return False if t.dtype == torch.bool else 1.0 if t.dtype.is_floating_point else 1
         return super().__torch_dispatch__(func, types, args, kwargs)
+
+
+@contextlib.contextmanager
+def _whole_windows():
+    """transformers' packed-sequence check, answered "not packed" (module docstring)."""
+    masking = None
+    if "transformers" in sys.modules:  # (a model=hf job has imported it by now: its config was read)
+        import importlib
+
+        masking = importlib.import_module("transformers.masking_utils")
+    if masking is None or not hasattr(masking, "find_packed_sequence_indices"):
+        yield
+        return
+    found = masking.find_packed_sequence_indices
+    masking.find_packed_sequence_indices = lambda _position_ids: None
+    try:
+        yield
+    finally:
+        masking.find_packed_sequence_indices = found
 
 
 @dataclass
@@ -151,6 +179,7 @@ def rehearsal_config(overrides: list[str], world: int):
     """The job's config for `world` ranks, validated as the job's would be, with what a rehearsal
     must not do switched off: no data read (synthetic tokens of the same shape), no weights read,
     no wandb, no checkpoint written or resumed, no eval, no faults or profiles; every step logged."""
+    check_overrides(overrides, config_groups())  # an unknown key or group option, in zerolab's words
     cfg = compose(overrides, world_size=world)
     cfg.data.kind = "synthetic"
     cfg.model.weights = ""
@@ -174,24 +203,14 @@ def rehearse(overrides: list[str], world: int, rank: int = 0) -> Rehearsal:
         out.not_rehearsed = NOT_REHEARSED[cfg.strategy.name]
         out.predicted = _ledger_only(cfg, world, rank)
         return out
-    from zerolab.trainer import Trainer  # (the trainer imports the models, strategies and data)
-
     start = time.perf_counter()
     ctx = _join(world, rank)
     try:
         with tempfile.TemporaryDirectory(prefix="zerolab-dry-run-") as run_dir, _RehearsalMode():
-            trainer = Trainer(cfg, ctx, run_dir=run_dir)
+            trainer = Trainer(cfg, ctx, run_dir=run_dir)  # (imports transformers for model=hf)
             try:
-                out.n_params = trainer.n_params
-                for step in range(MAX_STEPS):
-                    loss, lr, info = trainer.train_step(step)
-                    _, per_rank = trainer.log_step(step, 1.0, loss, lr, info)
-                    out.measured = {k: v for k, v in per_rank[rank].items() if k.startswith("mem/")}
-                    out.peaks.append(out.measured["mem/peak_bytes"])
-                    out.steps = step + 1
-                    if out.steps >= MIN_STEPS and out.peaks[-1] == out.peaks[-2]:
-                        break
-                out.predicted = _predicted(trainer.memory, rank)
+                with _whole_windows():
+                    _steps(trainer, out)
             finally:
                 trainer.close()
     finally:
@@ -199,6 +218,20 @@ def rehearse(overrides: list[str], world: int, rank: int = 0) -> Rehearsal:
     out.seconds = time.perf_counter() - start
     out.rss_peak_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return out
+
+
+def _steps(trainer, out: Rehearsal) -> None:
+    """Logged steps, as a real run's, until the peak repeats (at least MIN_STEPS)."""
+    out.n_params = trainer.n_params
+    for step in range(MAX_STEPS):
+        loss, lr, info = trainer.train_step(step)
+        _, per_rank = trainer.log_step(step, 1.0, loss, lr, info)
+        out.measured = {k: v for k, v in per_rank[out.rank].items() if k.startswith("mem/")}
+        out.peaks.append(out.measured["mem/peak_bytes"])
+        out.steps = step + 1
+        if out.steps >= MIN_STEPS and out.peaks[-1] == out.peaks[-2]:
+            break
+    out.predicted = _predicted(trainer.memory, out.rank)
 
 
 def _predicted(memory, rank: int) -> dict:
@@ -220,6 +253,53 @@ def _ledger_only(cfg, world: int, rank: int) -> dict:
 
     preds = ledger_for_run(cfg, world)
     return {f"mem/{k}_bytes": v for k, v in preds[rank].bytes().items()} if preds else {}
+
+
+# ---- activations of any model, measured on fake tensors (the planner's, for a user's model) --------
+def activation_model(mcfg, seq: int, precision: str):
+    """`predict(micro_batch, checkpointing)` -> an ActivationPrediction for model config `mcfg`
+    (any source) at sequence `seq`: the bytes one forward and its loss save for backward, as the
+    trainer's meter counts them, measured on fake tensors (CPU kernels) at micro-batches 1, 2 and
+    3 for each checkpointing mode and extended linearly from 2 and 3 (every saved tensor is either
+    per sequence or shared by the batch, so the bytes are affine in the micro-batch from 2 on; at
+    1 some copies are views, e.g. the loss's flattened targets). With checkpointing, the
+    recomputed block (the peak's transient) is the difference of the two modes per block."""
+    import dataclasses
+
+    from zerolab.accounting import ActivationMeter
+    from zerolab.activations import ActivationPrediction
+    from zerolab.models import build_model, find_blocks, lm_loss, place
+    from zerolab.precision import Precision
+    from zerolab.schema import PrecisionConfig
+
+    dtype = Precision.from_config(PrecisionConfig(name=precision)).compute_dtype
+    measured, n_blocks = {}, 0
+    with _RehearsalMode(), _whole_windows():
+        for mode in ("none", "blocks"):
+            model = build_model(dataclasses.replace(mcfg, block_size=seq, activation_checkpointing=mode, weights=""),
+                                device="cpu")
+            place(model, torch.device("cpu"), dtype).train()
+            found = find_blocks(model, mcfg.blocks)
+            n_blocks = len(found.modules) if found is not None else 0
+            if mode == "blocks" and not n_blocks:
+                break
+            for b in (1, 2, 3):
+                ids = torch.zeros(b, seq + 1, dtype=torch.long)
+                with ActivationMeter(model) as meter:
+                    lm_loss(model(ids[:, :-1]), ids[:, 1:])
+                measured[mode, b] = meter.bytes
+
+    def predict(micro_batch: int, checkpointing: str) -> ActivationPrediction:
+        mode = checkpointing if (checkpointing, 1) in measured else "none"
+        at = {m: measured[m, 1] if micro_batch == 1 else measured[m, 2] + (micro_batch - 2) * (measured[m, 3] - measured[m, 2])
+              for m in ("none", "blocks") if (m, 1) in measured}
+        pred = ActivationPrediction(mcfg.name, micro_batch, seq, precision, "cpu (rehearsed)", mode)
+        pred.add(f"saved for backward, measured on fake tensors ({mode})", at[mode])
+        if mode != "none":
+            pred.layer_bytes = (at["none"] - at["blocks"]) // n_blocks  # one block recomputed, minus its input
+        return pred
+
+    return predict
 
 
 # ---- output --------------------------------------------------------------------------------------

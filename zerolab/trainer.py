@@ -55,7 +55,7 @@ class Trainer:
         torch.manual_seed(t.seed)  # same initial weights on every rank
         model = model.to(ctx.device) if model is not None else build_model(cfg.model, device=ctx.device)
         self.n_params = count_params(model)
-        self.memory = MemoryMonitor(cfg, ctx, model, self.precision.compute_dtype.itemsize)  # before sharding
+        self.memory = MemoryMonitor(cfg, ctx, model)  # before sharding
         self.profiler = StepProfiler(cfg, ctx, model, run_dir, self.precision.compute_dtype)  # FLOPs/token, the peak
         self.strategy = strategy_class(cfg.strategy.name)(cfg, ctx, self.precision)
         self.model = self.strategy.setup(model, param_groups(model, cfg.optim.weight_decay),

@@ -10,7 +10,6 @@ from zerolab.memory.peak import PEAK_WARN_RATIO, Peak, predicted_peak
 from zerolab.accounting import CATEGORIES, MODEL_STATES, Prediction
 from zerolab.memory.prediction import predict, prediction_dict
 from zerolab.memory.shapes import optimizer_state_elements, shape_from_model, shape_from_model_config
-from zerolab.precision import COMPUTE_BYTES
 from zerolab.strategies import memory_model
 
 log = logging.getLogger("zerolab.memory")  # the name users filter the ledger's warnings by
@@ -80,14 +79,13 @@ def process_summary(per_rank: list[dict]) -> list[dict]:
 
 
 # ---- the step's peak (zerolab.memory.peak): activations and peak rows of this run's ledger -------
-def peak_for_run(preds: list[Prediction] | None, act_pred, mcfg, micro_batch: int, seq: int,
-                 precision: str) -> list[Peak] | None:
+def peak_for_run(preds: list[Prediction] | None, act_pred, mcfg, micro_batch: int, seq: int) -> list[Peak] | None:
     """The predicted peak per rank for this run (the planner's composition, zerolab.memory.peak),
     from the ledger's model-state prediction and zerolab.activations' prediction; None where
     either is missing (a strategy the ledger does not model, a model that is not zerolab's)."""
     if not preds or act_pred is None:
         return None
-    return [predicted_peak(p, act_pred, mcfg, micro_batch, seq, COMPUTE_BYTES[precision]) for p in preds]
+    return [predicted_peak(p, act_pred, mcfg, micro_batch, seq) for p in preds]
 
 
 def peak_keys(peaks: list[Peak] | None) -> dict:

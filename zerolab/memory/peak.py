@@ -33,12 +33,12 @@ def logits_buffer_bytes(micro_batch: int, seq: int, vocab: int) -> int:
     return LOGIT_BUFFER_BYTES * micro_batch * seq * vocab
 
 
-def recompute_bytes(act_pred, micro_batch: int, seq: int, width: int, compute_bytes: int) -> int:
-    """One checkpointed block recomputed during backward: its activations (layer_bytes of
-    zerolab.activations' prediction) minus its input, which is already counted as kept."""
+def recompute_bytes(act_pred) -> int:
+    """One checkpointed block recomputed during backward: its activations (layer_bytes of an
+    activation prediction) minus its input, which is already counted as kept."""
     if act_pred.checkpointing == "none" or not act_pred.layer_bytes:
         return 0
-    return act_pred.layer_bytes - micro_batch * seq * width * compute_bytes
+    return act_pred.layer_bytes - act_pred.block_input_bytes
 
 
 @dataclass
@@ -65,11 +65,10 @@ def peak_of(states: dict, activations: int, transient_backward: int, transient_s
     return Peak(max(bwd, stp), phase, parts, cats)
 
 
-def predicted_peak(pred, act_pred, mcfg, micro_batch: int, seq: int, compute_bytes: int) -> Peak:
+def predicted_peak(pred, act_pred, mcfg, micro_batch: int, seq: int) -> Peak:
     """The peak from a zerolab.memory Prediction (model states and the strategy's transient terms,
     each with Term.when) and a zerolab.activations prediction for the same run."""
     comm_bwd = sum(t.bytes for t in pred.terms if t.category == "transient" and t.when != "step")
     comm_step = sum(t.bytes for t in pred.terms if t.category == "transient" and t.when == "step")
-    model_bwd = logits_buffer_bytes(micro_batch, seq, mcfg.vocab_size) + recompute_bytes(
-        act_pred, micro_batch, seq, getattr(mcfg, "n_embd", 0), compute_bytes)
+    model_bwd = logits_buffer_bytes(micro_batch, seq, mcfg.vocab_size) + recompute_bytes(act_pred)
     return peak_of(pred.bytes(), act_pred.bytes, model_bwd + comm_bwd, comm_step)

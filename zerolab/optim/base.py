@@ -91,7 +91,7 @@ class ZerolabOptimizer(torch.optim.Optimizer):
         """Optimizer state tensors of `p` (created as zeros, in p's dtype, on first use)."""
         state = self.state[p]
         if "step" not in state:
-            state["step"] = torch.zeros((), dtype=torch.float32)
+            state["step"] = torch.tensor(0.0, dtype=torch.float32)  # a constant to a dry run (precision.LossScaler)
         for n in names:
             if n not in state:
                 state[n] = torch.zeros_like(p, memory_format=torch.preserve_format)

@@ -330,8 +330,9 @@ class Strategy(MemoryModel, TransientPeak, abc.ABC):  # predict_memory; transien
         (-1: none) and how many updates were skipped, as device tensors."""
         if self._device_pending is None:
             device = self.ctx.device
-            self._device_pending = {"first": torch.full((), -1, dtype=torch.int64, device=device),
-                                    "count": torch.zeros((), dtype=torch.int64, device=device)}
+            # torch.tensor: constants to a dry run (zerolab.precision.LossScaler says why)
+            self._device_pending = {"first": torch.tensor(-1, dtype=torch.int64, device=device),
+                                    "count": torch.tensor(0, dtype=torch.int64, device=device)}
         return self._device_pending
 
     def settle(self) -> None:

@@ -154,14 +154,20 @@ class FSDPStrategy(Strategy):
 
     # ---- memory prediction (zerolab.memory; the protocol: strategies/memory_protocol.py) ---------
     stage = 3
+    uneven_memory = True  # the last ranks' optimizer state is smaller (predict_memory)
 
     @classmethod
-    def predict_memory(cls, p, shape, *, world, precision, k, **_) -> None:
-        """FSDP2 (fully_shard): every parameter is a DTensor sharded on dim 0, padded to a multiple of N
-        rows. With MixedPrecisionPolicy the sharded parameters stay fp32 (they are the master weights)
+    def predict_memory(cls, p, shape, *, world, precision, k, rank, **_) -> None:
+        """FSDP2 (fully_shard): every parameter is a DTensor sharded on dim 0 in chunks of
+        ceil(rows/N) rows; rank r holds rows [r·chunk, (r+1)·chunk) of each, fewer (or none) on the
+        last ranks. The sharded weights and gradients are stored padded to a whole chunk on every
+        rank; the optimizer state, made like the local shard, holds only the rows the rank has.
+        With MixedPrecisionPolicy the sharded parameters stay fp32 (they are the master weights)
         and the compute-dtype copy exists only while a module runs."""
         c, dt, N = COMPUTE_BYTES[precision], dtype_name(precision), world
         shard = sum(ceil_div(s[0], N) * math.prod(s[1:]) for s in shape.shapes)
+        held = sum(max(0, min(ceil_div(s[0], N), s[0] - rank * ceil_div(s[0], N))) * math.prod(s[1:])
+                   for s in shape.shapes)  # this rank's rows, unpadded
         s = state_bytes(precision)
         kind = "bf16" if s == 2 else "fp32"
         if precision in MIXED:
@@ -169,7 +175,7 @@ class FSDPStrategy(Strategy):
         else:
             p.add("params", shard * s, f"{kind} sharded parameters: {fmt_n(shard)} × {s}")
         p.add("grads", shard * s, f"{kind} sharded gradients: {fmt_n(shard)} × {s}")
-        p.add("optim_state", shard * k * s, f"optimizer state of the shard: {fmt_n(shard)} × {k:g} × {s}")
+        p.add("optim_state", held * k * s, f"optimizer state of rank {rank}'s rows: {fmt_n(held)} × {k:g} × {s}")
         biggest = max(math.prod(s_) for s_ in shape.shapes)
         p.add("transient", biggest * c, f"{dt} unsharded weights of the module being computed (largest tensor)")
         padded = shard * N > shape.n_params
