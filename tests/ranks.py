@@ -54,10 +54,14 @@ def _rank_main(rank: int, world: int, port: int, env: dict, overrides: list[str]
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     os.environ.update(env)
+    # The forkserver's sys.path was fixed when it started: a PYTHONPATH given to this job (a
+    # model=custom module) goes in front, as a fresh interpreter would put it.
+    import sys
+
+    sys.path[:0] = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p not in sys.path]
     os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
                        "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
     import logging
-    import sys
 
     from zerolab.config import compose
     from zerolab.errors import ConfigError, ZerolabError, report

@@ -140,8 +140,16 @@ SCRIPTS = ("train.py", "launch/torchrun.sh", "launch/slurm.sbatch")
 HYDRA_FLAGS_WITH_VALUE = {"--cfg", "-c", "--package", "-p", "--config-path", "-cp", "--config-name", "-cn",
                           "--config-dir", "-cd", "--info", "-i"}
 OVERRIDE = re.compile(r"^(\+\+|\+|~)?[a-z_][a-z0-9_]*(\.[a-z0-9_]+)*(=\S*)?$")
-SECTIONS = ("model", "data", "strategy", "optim", "precision", "trainer", "logging", "dist", "run", "checkpoint",
-            "fault")
+def _sections() -> tuple[str, ...]:
+    """The schema's sections (every field of Config that is itself a dataclass), read from it."""
+    import dataclasses
+
+    from zerolab.schema import Config
+
+    return tuple(f.name for f in dataclasses.fields(Config) if str(f.type).endswith("Config"))
+
+
+SECTIONS = _sections()
 FILE_SUFFIX = re.compile(r"\.(safetensors|jsonl?|ya?ml|py|md|png|bin|pt|txt|out|err|lock)$")
 
 

@@ -132,6 +132,7 @@ def test_a_users_model_is_planned_from_its_own_activations(tmp_path, capsys):
     assert row["bytes"]["activations"] == r.measured["mem/activations_bytes"]
 
 
+@pytest.mark.slow  # in process, but fourteen rehearsals (10 s): the slow tier's
 def test_exact_rehearses_every_row_within_the_budget(capsys):
     """--exact: every row a rehearsal can run is rehearsed at its micro-batch; the micro-batch it
     confirms (the plan's, or the largest below whose rehearsed peak fits) is within the budget."""

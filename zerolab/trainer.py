@@ -54,7 +54,7 @@ class Trainer:
 
         torch.manual_seed(t.seed)  # same initial weights on every rank
         model = model.to(ctx.device) if model is not None else build_model(cfg.model, device=ctx.device)
-        self.n_params = count_params(model)
+        self.n_params, layout = count_params(model), model_layout(model)  # before a strategy partitions parameters
         self.memory = MemoryMonitor(cfg, ctx, model)  # before sharding
         self.profiler = StepProfiler(cfg, ctx, model, run_dir, self.precision.compute_dtype)  # FLOPs/token, the peak
         self.strategy = strategy_class(cfg.strategy.name)(cfg, ctx, self.precision)
@@ -69,7 +69,7 @@ class Trainer:
         self.schedule = LRSchedule.from_config(cfg.optim, self.global_batch, t.max_steps)
         self.fault = FaultInjector(cfg.fault, ctx.rank, ctx.world_size)
         self.progress = ProgressBoard(ctx.rank, ctx.world_size, ctx.store, cfg.dist.timeout_s)  # names a rank that stops
-        self.checkpointer = Checkpointer(cfg, ctx, self.run_dir, model_layout(model))
+        self.checkpointer = Checkpointer(cfg, ctx, self.run_dir, layout)
         self.start_step = 0
         if cfg.checkpoint.resume:  # weights, optimizer state, RNG, loss scale; data and LR follow the step
             self.start_step = self.checkpointer.resume(self.strategy, self.schedule, self.sampler)

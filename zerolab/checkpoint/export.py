@@ -35,9 +35,10 @@ def _model_config(meta: dict):
 
 
 def _true_shapes(path: str, meta: dict) -> dict:
-    """Parameter shapes where the layout recorded none: DeepSpeed stage 3 partitions the parameters
-    (each shape becomes [0]) before zerolab records the layout. The model, rebuilt from the run's
-    config on the meta device (no memory), has them; without them an export would be empty."""
+    """Parameter shapes where the layout recorded none: checkpoints written before zerolab recorded
+    the layout ahead of the strategy's setup (DeepSpeed stage 3 partitions the parameters, each
+    shape becomes [0]). The model, rebuilt from the run's config on the meta device (no memory),
+    has them; without them an export would be empty."""
     params = meta["params"]
     if all(math.prod(s) for s in params.values()):
         return params

@@ -439,6 +439,8 @@ class DeepSpeedStrategy(DeepSpeedCheckpointing, Strategy):
         if precision == "bf16_pure":
             raise NotPredicted("DeepSpeed has no bf16_pure mode (its bf16 ZeRO keeps fp32 master weights); "
                                "use --precision bf16")
+        if shape.buffer_bytes:  # (RoPE's inv_freq in a transformers model: memory() counts module.buffers())
+            p.add("buffers", shape.buffer_bytes, "model buffers")
         if stage in (1, 2):
             # Each group's flat 16-bit buffer is padded to a multiple of 2N (4-byte alignment of fp16
             # partitions); every rank owns 1/N of it.
