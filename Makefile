@@ -40,7 +40,7 @@ run: install
 # (Exit 5 is pytest's "nothing collected": `ARGS="-k ddp"` may select nothing in one tier.)
 test: install slurm-deps
 	$(PY) -m pytest -m "not slow" $(ARGS) || [ $$? = 5 ]
-	$(PY) -m pytest -m slow $(ARGS) || [ $$? = 5 ]
+	$(PY) -m pytest -m slow --durations=25 $(ARGS) || [ $$? = 5 ]
 
 # The fast tier: unit and in-process tests, no torchrun, no DeepSpeed (tests/conftest.py: tiers).
 test-fast: install
