@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import TORCHRUN, read_metrics, run_process, run_python, run_train
+from conftest import TORCHRUN, missing, read_metrics, run_process, run_python, run_train
 
 pytestmark = pytest.mark.slow  # every test here starts processes (see conftest: tiers)
 
@@ -127,9 +127,7 @@ class _Tmpfs:
                                      capture_output=True, text=True)
             why = None if mounted.returncode == 0 else f"cannot mount a tmpfs here: {mounted.stderr.strip()}"
         if why is not None:
-            if os.environ.get("CI"):
-                pytest.fail(f"CI=true, and a prerequisite is missing: {why}")
-            pytest.skip(reason=why)
+            missing(why)  # conftest: fails on CI=true, skips with the reason elsewhere
 
     def __enter__(self):
         return self.path

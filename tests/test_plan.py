@@ -116,7 +116,6 @@ def test_a_users_model_is_planned_from_its_own_activations(tmp_path, capsys):
     """model=hf overrides, as for train.py: its activations are measured on fake tensors
     (zerolab.rehearsal.activation_model), so each row's activations are what a dry run of that
     row counts, to the byte."""
-    pytest.importorskip("transformers")
     from test_models import write_configs
     from zerolab.rehearsal import rehearse
 

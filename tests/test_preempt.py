@@ -124,6 +124,21 @@ def test_usr1_to_a_bare_torchrun_agent_saves_when_it_forwards_usr1(tmp_path):
     assert (run / "checkpoints" / f"step_{marker['step']:08d}" / "meta.json").exists()
 
 
+def test_a_strategy_without_checkpoints_stops_without_one_and_says_so(tmp_path):
+    """torch_zero writes no checkpoints: on SIGTERM its ranks still stop together after one step
+    (exit 75), say that they stop without a checkpoint, and the marker records none."""
+    run = tmp_path / "run"
+    proc, out = start(TORCHRUN_2, run, "strategy=torch_zero", "trainer.max_steps=1000")
+    out.until("step 3/1000 |")
+    proc.send_signal(signal.SIGTERM)
+    text = finish(proc, out, timeout=90)
+    marker = json.loads((run / "preempted.json").read_text())
+    assert marker["checkpoint"] is None and marker["signal"] == "SIGTERM", marker
+    assert f"strategy=torch_zero cannot write checkpoints: stopping after step {marker['step']} without one" in text
+    assert len(re.findall(r"exitcode\s*:\s*75 ", text)) == 2, text[-6000:]  # both workers: EX_TEMPFAIL
+    assert not (run / "checkpoints").exists()
+
+
 def test_sigterm_to_launch_script_writes_preempted_status(tmp_path):
     """launch/torchrun.sh forwards the signal, then says `preempted` and exits 75 (EX_TEMPFAIL)."""
     run = tmp_path / "run"

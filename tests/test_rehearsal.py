@@ -141,7 +141,6 @@ def test_rank0_of_a_gpt_small_job_as_its_real_run(tmp_path, strategy):
 def test_the_last_rank_of_a_llama_job_with_checkpointing_as_its_real_run(tmp_path):
     """A tiny Llama (tests/test_models.py) under zero3, bf16, activation checkpointing, 3 ranks:
     the dry run of rank 2 against the real job's rank 2."""
-    pytest.importorskip("transformers")
     from test_models import write_configs
 
     config = write_configs(tmp_path / "configs")["llama"]
@@ -183,7 +182,6 @@ def test_a_7b_llama_on_64_ranks_rehearses_on_this_machine(tmp_path):
     blocks: the model states of a rank are 16 bytes x parameters / 64 plus padding, as the ledger
     says, and the whole dry run stays under 2 GB of RSS (nothing of the model is allocated). Its
     time is printed, not asserted (measured 16 s on 2026-12-01; the issue asks for under 60 s)."""
-    pytest.importorskip("transformers")
     config = tmp_path / "config.json"
     config.write_text(json.dumps(SEVEN_B))
     proc = run_python("-m", "zerolab", "dry-run", "--world", "64", "--json", "model=hf", f"model.config={config}",

@@ -44,7 +44,6 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
-from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -57,7 +56,6 @@ from zerolab.errors import ZerolabError
 from zerolab.schema import FaultConfig, ProfileConfig
 from zerolab.trainer import Trainer
 
-log = logging.getLogger("zerolab")
 
 MIN_STEPS, MAX_STEPS = 3, 8  # rehearsed steps: at least 3 (the optimizer state exists from the first), until the peak repeats
 NOT_COUNTED = ("not counted here (nor by the ledger): the allocator's rounding and fragmentation, NCCL's buffers, "

@@ -246,7 +246,9 @@ class Strategy(MemoryModel, TransientPeak, abc.ABC):  # predict_memory; transien
             return self._update_on_device(grads, sq)
         scaler = self.precision.scaler
         scale = scaler.scale if scaler.enabled else 1.0  # the one backward multiplied by, before update() changes it
-        norm = math.sqrt(sq.item()) / scale
+        # torch's sqrt, as the device path takes it (not math.sqrt): on some CPUs its fp64 kernel is
+        # not correctly rounded (one ulp off, measured), and the two paths must report one norm.
+        norm = sq.double().sqrt().item() / scale
         finite = math.isfinite(norm)
         scaler.update(found_inf=not finite, step=self.step_count)
         if not finite:
@@ -265,7 +267,13 @@ class Strategy(MemoryModel, TransientPeak, abc.ABC):  # predict_memory; transien
         coef = clip_coefficient(norm, self.cfg.optim.grad_clip)
         multiplier = coef / scale
         if multiplier != 1.0 and grads:
-            torch._foreach_mul_(grads, multiplier)
+            for dtype in {g.dtype for g in grads}:
+                # The multiplier rounded to the gradient's dtype first, then multiplied in fp32 (a
+                # Python float's opmath): the product of two 16-bit numbers is exact in fp32, so this
+                # is the 16-bit multiply the device path does (_update_on_device), bitwise, whatever
+                # kernel the CPU picks for a Python scalar.
+                m = torch.tensor(multiplier, dtype=torch.float64).to(dtype).item()
+                torch._foreach_mul_([g for g in grads if g.dtype == dtype], m)
         extra = self._optimizer_step(stats_level)
         self.step_count += 1
         return StepInfo(grad_norm=norm, grad_norm_clipped=norm * coef, extra=extra)
@@ -291,7 +299,7 @@ class Strategy(MemoryModel, TransientPeak, abc.ABC):  # predict_memory; transien
         return skips is not None and skips()
 
     def _update_on_device(self, grads: list[torch.Tensor], sq: torch.Tensor) -> StepInfo:
-        """The host path's arithmetic on 0-dim fp64 tensors: the same IEEE operations as math.sqrt,
+        """The host path's arithmetic on 0-dim fp64 tensors: the same operations as its sqrt,
         clip_coefficient and coef/scale on Python floats, so the multiplier, and the gradients it
         multiplies, are bitwise the host path's on CPU (an exact 1.0 when neither clip nor scale
         acts; tests/test_device_step.py). On CUDA the two may differ in the last bit of a 16-bit
