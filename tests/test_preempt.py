@@ -48,9 +48,13 @@ def finish(proc, out: Output, timeout: float) -> str:
 
 
 def kill_job(proc) -> None:
-    if proc.poll() is None:
+    """SIGKILL to the job's whole session, also when the agent is gone already: an agent killed by
+    a signal it does not handle leaves its workers running (start(): start_new_session)."""
+    try:
         os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+    except ProcessLookupError:
+        pass
+    proc.wait()
 
 
 TORCHRUN_2 = [*TORCHRUN, "--standalone", "--nproc_per_node=2", str(ROOT / "train.py")]
@@ -111,11 +115,13 @@ def test_one_rank_signalled_stops_every_rank_after_the_same_step(tmp_path, nproc
 
 def test_usr1_to_a_bare_torchrun_agent_saves_when_it_forwards_usr1(tmp_path):
     """torchrun's agent handles TERM, INT, HUP and QUIT; a USR1 kills it (and its workers, with no
-    checkpoint) unless TORCHELASTIC_SIGNALS_TO_HANDLE adds SIGUSR1: then it forwards the USR1 to its
-    workers, which save and stop as on a TERM (docs: which signals save, per launcher)."""
+    checkpoint) unless its --signals-to-handle (or PET_SIGNALS_TO_HANDLE in its environment) adds
+    SIGUSR1: then it forwards the USR1 to its workers, which save and stop as on a TERM (docs: which
+    signals save, per launcher). torchrun sets TORCHELASTIC_SIGNALS_TO_HANDLE from that option, so
+    setting that variable by hand changes nothing."""
     run = tmp_path / "run"
     proc, out = start(TORCHRUN_2, run, "trainer.max_steps=1000",
-                       env={"TORCHELASTIC_SIGNALS_TO_HANDLE": "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"})
+                       env={"PET_SIGNALS_TO_HANDLE": "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"})
     out.until("step 3/1000 |")
     proc.send_signal(signal.SIGUSR1)
     text = finish(proc, out, timeout=90)
@@ -125,8 +131,8 @@ def test_usr1_to_a_bare_torchrun_agent_saves_when_it_forwards_usr1(tmp_path):
 
 
 def test_a_strategy_without_checkpoints_stops_without_one_and_says_so(tmp_path):
-    """torch_zero writes no checkpoints: on SIGTERM its ranks still stop together after one step
-    (exit 75), say that they stop without a checkpoint, and the marker records none."""
+    """torch_zero writes no checkpoints: on SIGTERM its ranks still stop together after one step,
+    say that they stop without a checkpoint, and the marker records none."""
     run = tmp_path / "run"
     proc, out = start(TORCHRUN_2, run, "strategy=torch_zero", "trainer.max_steps=1000")
     out.until("step 3/1000 |")
@@ -134,8 +140,9 @@ def test_a_strategy_without_checkpoints_stops_without_one_and_says_so(tmp_path):
     text = finish(proc, out, timeout=90)
     marker = json.loads((run / "preempted.json").read_text())
     assert marker["checkpoint"] is None and marker["signal"] == "SIGTERM", marker
-    assert f"strategy=torch_zero cannot write checkpoints: stopping after step {marker['step']} without one" in text
-    assert len(re.findall(r"exitcode\s*:\s*75 ", text)) == 2, text[-6000:]  # both workers: EX_TEMPFAIL
+    said = f"strategy=torch_zero cannot write checkpoints: stopping after step {marker['step']} without one"
+    assert text.count(said) == 2, text[-6000:]  # both ranks, after the same step
+    # (torchrun, itself signalled, prints no worker's exit code; launch/torchrun.sh's test reads 75)
     assert not (run / "checkpoints").exists()
 
 

@@ -51,9 +51,16 @@ def assert_job_ended(sbatch_code: int, log: str, status: str) -> None:
     """launch/slurm.sbatch's last line says the status and the launch's exit code; the job (and so
     `sbatch --wait`) exits with that code, or 1 where it was 0 (anything but completed fails)."""
     found = re.findall(r"zerolab: (\w+) \(exit (\d+)\)", log)
-    assert found and found[-1][0] == status, log[-4000:]
+    assert found and found[-1][0] == status, said(log)
     rc = int(found[-1][1])
-    assert sbatch_code == (rc or 1), (sbatch_code, rc, log[-4000:])
+    assert sbatch_code == (rc or 1), (sbatch_code, rc, said(log))
+
+
+def said(log: str) -> str:
+    """A failed job's log for an assertion message: zerolab's own lines first (what each rank said
+    and when it stopped), then the end of the log."""
+    lines = [line for line in log.splitlines() if "zerolab" in line or "exitcode" in line or "Error" in line]
+    return "\n".join(lines[-40:]) + "\n--- the end of the log ---\n" + log[-2500:]
 
 
 def free_port_pair() -> int:
@@ -256,13 +263,13 @@ def test_usr1_warning_saves_requeues_and_resumes(cluster, tmp_path):
         out.until("step 2/12 |")  # rank 0 logged step 2: training is under way
         subprocess.run(["scancel", "--signal=USR1", "--batch", job], env=env, check=True, timeout=30)
         first = out.rest(timeout=120)  # until the first start closes its output
-        assert f"requeueing job {job}" in first, first[-4000:]
+        assert f"requeueing job {job}" in first, said(first)
         # Slurm holds a requeued job for cred_expire + 1 s (its BeginTime; 30 s in local_slurm.sh).
         second = Output(fifo).rest(timeout=240)  # attempt 2: the requeued start opens it again
         sbatch.wait(timeout=120)
-    assert "zerolab: preempted" in first, first[-4000:]
+    assert "zerolab: preempted" in first, said(first)
     saved = int(re.search(r"stopped after step (\d+) of 12 on SIGTERM", first).group(1))
-    assert f"resumed at step {saved}" in second and "zerolab: completed" in second, second[-4000:]
+    assert f"resumed at step {saved}" in second and "zerolab: completed" in second, said(second)
     assert (run / "status").read_text().strip() == "completed"
     wr, wi = load_weights(ref), load_weights(run)
     assert all(torch.equal(wr[k], wi[k]) for k in wr), "requeued job's weights differ from the uninterrupted run"

@@ -86,4 +86,11 @@ def exit_for(err: BaseException, every_rank_alike: bool = False) -> None:
         signal.sigtimedwait(stop, WAIT_FOR_LAUNCHER_S)
         sys.stdout.flush()
         os._exit(code)
+    # This rank has said why it stops and exits with that code. A launcher that saw another rank
+    # exit first sends the rest a SIGTERM; Python's finalization resets its handlers to the
+    # default action, so a SIGTERM arriving there would turn this rank's code into -15 (measured:
+    # 3 ranks stopping together on a preemption, one seen as 75, two as -15). An ignored signal
+    # stays ignored through finalization. A rank that hangs on the way out is still SIGKILLed.
+    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1):
+        signal.signal(sig, signal.SIG_IGN)
     sys.exit(code)

@@ -24,12 +24,21 @@ def _counting_allreduce(state, bucket):
     """What DDP's default hook does (average: divide by N, then sum in place), plus a record of the
     bucket's size for comm accounting. The future resolves to the bucket's own buffer rather than
     to the collective's result list, which is the same tensor on gloo and NCCL; a dry run's fake
-    process group (zerolab.rehearsal) resolves its futures to nothing."""
+    process group (zerolab.rehearsal) resolves its futures to nothing (the value is not used)."""
     counter, group = state
     buffer = bucket.buffer()
     counter.record("all_reduce", buffer)
     buffer.div_(dist.get_world_size(group))
-    return dist.all_reduce(buffer, group=group, async_op=True).get_future().then(lambda _: buffer)
+    return dist.all_reduce(buffer, group=group, async_op=True).get_future().then(lambda fut: _bucket(fut, buffer))
+
+
+def _bucket(fut, buffer):
+    """The reduced bucket, once its all-reduce has succeeded. `fut.value()` re-raises the
+    collective's error: a callback that ignored its future would complete the chain with the
+    bucket as it was (this rank's gradients over N) when the all-reduce failed, and the step would
+    go on with them; a rank frozen in backward was then named a step late."""
+    fut.value()
+    return buffer
 
 
 class DDPStrategy(Strategy):
