@@ -9,6 +9,7 @@ into each other's temporary file.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from contextlib import contextmanager
@@ -62,3 +63,13 @@ def atomic_write_text(path: str, text: str) -> None:
 def atomic_write_json(path: str, obj, indent: int = 2) -> None:
     """JSON with non-JSON values (paths, numpy numbers) written as their str()."""
     atomic_write_text(path, json.dumps(obj, indent=indent, default=str))
+
+
+def sha256_file(path: str) -> str:
+    """The file's SHA-256, read in 1 MiB blocks (memory flat in file size): what a checkpoint's
+    meta.json and a token file's sidecar record of the files they name."""
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()

@@ -97,14 +97,6 @@ def safetensors_header(path: str) -> dict:
     return header
 
 
-def sha256_file(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 # ---- meta.json ---------------------------------------------------------------------------------
 def meta_digest(meta: dict) -> str:
     """sha256 of meta.json's canonical form (sorted keys, no whitespace) without the digest itself."""

@@ -7,10 +7,10 @@ import os
 import shutil
 from typing import Callable, Optional
 
-from zerolab.atomic import atomic_write_text, fsync_dir
+from zerolab.atomic import atomic_write_text, fsync_dir, sha256_file
 from zerolab.errors import ConfigError
 from zerolab.checkpoint.format import (FORMATS, LATEST, META, STEP_RE, CheckpointError, check_torch_file, read_meta,
-                                       safetensors_header, sha256_file, writer_class)
+                                       safetensors_header, writer_class)
 from zerolab.checkpoint.reshard import check_pieces_cover
 
 log = logging.getLogger("zerolab")

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import functools
 import glob
-import hashlib
 import os
 import re
 import sys
@@ -35,7 +34,7 @@ from typing import Iterable, Iterator, Optional
 
 import numpy as np
 
-from zerolab.atomic import atomic_path
+from zerolab.atomic import atomic_path, sha256_file
 from zerolab.data.tokens import DTYPES, TOKEN_DTYPE, dtype_for_vocab, sidecar_path, write_sidecar
 
 EMBEDDED_NAME = "stdlib-py{}.{}-bytes.bin"
@@ -157,14 +156,6 @@ class Prepared:
     max_pending_bytes: int  # the most source bytes read but not yet written: flat in corpus size
     tokenizer: Optional[str] = None
     meta: dict = field(default_factory=dict)
-
-
-def sha256_file(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def load_tokenizer(path: str):
