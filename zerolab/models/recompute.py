@@ -35,13 +35,15 @@ def checkpointed_blocks(n_layer: int, mode: str, every_k: int = 1) -> list[bool]
     return [mode != "none" and i % k == 0 for i in range(n_layer)]
 
 
-def _tensors_in(obj) -> list[torch.Tensor]:
+def tensors_in(obj) -> list[torch.Tensor]:
+    """The tensors in a module's inputs or output: a tensor, or a tuple/list/dict holding some
+    (transformers' layers return tuples and ModelOutput dicts)."""
     if isinstance(obj, torch.Tensor):
         return [obj]
     if isinstance(obj, dict):
         obj = list(obj.values())
     if isinstance(obj, (list, tuple)):
-        return [t for item in obj for t in _tensors_in(item)]
+        return [t for item in obj for t in tensors_in(item)]
     return []
 
 
@@ -50,7 +52,7 @@ def checkpointed_call(fn, *args, **kwargs):
     disabled (eval) it simply runs."""
     if not torch.is_grad_enabled():
         return fn(*args, **kwargs)
-    keep_for_backward(*_tensors_in((args, kwargs)))  # held by checkpoint, not autograd's saved tensors
+    keep_for_backward(*tensors_in((args, kwargs)))  # held by checkpoint, not autograd's saved tensors
     return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
 
 

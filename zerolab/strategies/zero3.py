@@ -76,6 +76,7 @@ import torch.nn as nn
 from zerolab.buckets import MAX_IN_FLIGHT, bucket_cap, pack_buckets
 from zerolab.accounting import MIXED, StorageCounter, dtype_name, fmt_n, state_bytes
 from zerolab.models import block_of_parameters, find_blocks
+from zerolab.models.recompute import tensors_in
 from zerolab.precision import COMPUTE_BYTES
 from zerolab.strategies.base import OptimizerFactory
 from zerolab.strategies.zero import Bucket, ZeroStrategy
@@ -263,7 +264,7 @@ class Zero3Strategy(ZeroStrategy):
         if self.reshard_after_forward or not training:
             self._free(unit)
         if training:
-            for t in _tensors(output):
+            for t in tensors_in(output):
                 if t.requires_grad:
                     t.register_hook(lambda _grad, index=index: self._before_backward(index))
 
@@ -403,14 +404,3 @@ class Zero3Strategy(ZeroStrategy):
             p.notes.append("the gradient shard is kept in the reduce dtype: 16-bit with strategy.reduce_dtype=auto "
                            "(the paper's 2Ψ/N; accumulation sums micro-batches in 16-bit, and the step makes an "
                            "fp32 copy for the optimizer), fp32 with reduce_dtype=fp32 (4Ψ/N, fp32 sums)")
-
-
-def _tensors(output) -> list[torch.Tensor]:
-    """The tensors in a module's output (a tensor, or a tuple/list/dict holding some)."""
-    if isinstance(output, torch.Tensor):
-        return [output]
-    if isinstance(output, dict):
-        output = list(output.values())
-    if isinstance(output, (list, tuple)):
-        return [t for item in output for t in _tensors(item)]
-    return []
