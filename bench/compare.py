@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from zerolab.comm import theory_bytes_per_step  # noqa: E402
-from zerolab.metrics import read_jsonl  # noqa: E402
+from zerolab.run.metrics import read_jsonl  # noqa: E402
 from zerolab.stats import percentile  # noqa: E402
 from zerolab.strategies import all_names  # noqa: E402
 

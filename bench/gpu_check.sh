@@ -3,7 +3,7 @@
 # with and without activation checkpointing; the planner's predicted peak (python -m zerolab plan's
 # arithmetic) beside torch.cuda.max_memory_allocated and the measured activation bytes. Appends a
 # table to bench/RESULTS.md (bench/gpu_check.py writes it), then where the step goes on CUDA (profiled
-# ddp and zero2 runs with traces: zerolab/profile.py's device path, checked and tabled by
+# ddp and zero2 runs with traces: zerolab/profile/'s device path, checked and tabled by
 # bench/step_profile.py check), then bench/sync_check.py's table (host synchronisation in unlogged
 # steps). Aim: under 9 minutes on an H100/H200.
 #
@@ -61,7 +61,7 @@ for run in "${RUNS[@]}"; do
     DIRS+=("$label|$ck|$dir")
   done
 done
-# Then: where the step goes on CUDA (zerolab/profile.py): steps 3 and 4 profiled, with a trace, under
+# Then: where the step goes on CUDA (zerolab/profile/): steps 3 and 4 profiled, with a trace, under
 # ddp and zero2 (one rank: NCCL's collectives still run); the parts must add up to each step.
 PROFILED=()
 for s in ddp zero2; do

@@ -25,7 +25,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from zerolab.metrics import read_jsonl  # noqa: E402
+from zerolab.run.metrics import read_jsonl  # noqa: E402
 from zerolab.stats import percentile  # noqa: E402
 
 STRATEGIES = {"ddp": ["strategy=ddp"], "zero3": ["strategy=zero3"], "fsdp": ["strategy=fsdp"],

@@ -1,4 +1,4 @@
-"""What profiling costs, and where the step goes per strategy (zerolab/profile.py; bench/RESULTS.md).
+"""What profiling costs, and where the step goes per strategy (zerolab/profile/; bench/RESULTS.md).
 
   OMP_NUM_THREADS=1 .venv/bin/python bench/step_profile.py cost [--base-rev ff9a6b0] [--rounds 4] [--steps 20]
   OMP_NUM_THREADS=1 .venv/bin/python bench/step_profile.py breakdown [--strategies ddp,zero1,zero2,zero3,deepspeed,fsdp]
@@ -33,7 +33,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from zerolab.metrics import read_jsonl  # noqa: E402
+from zerolab.run.metrics import read_jsonl  # noqa: E402
 from zerolab.report.intervals import bootstrap_ratio  # noqa: E402
 from zerolab.stats import percentile  # noqa: E402
 

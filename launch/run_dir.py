@@ -3,12 +3,12 @@
 The launch scripts call this before starting any rank, so that they know where to put the rank
 logs and the status file, and so that every node of a multi-node job is handed the same
 `run.dir=` (the trainer's own choice would be made by one rank 0 only after rendezvous). The name
-comes from zerolab.rundir.new_run_dir: <run.root>/<experiment>/<time>-<strategy>[-job<id>]; a
+comes from zerolab.run.directory.new_run_dir: <run.root>/<experiment>/<time>-<strategy>[-job<id>]; a
 requeued Slurm job gets the directory its first start chose (found by its job id).
 Composing the config also validates it: a bad override, a user's model that cannot be built
 (zerolab.models.preflight: a missing model.config, a target that does not import, a window past
-its positions, no blocks for zero3/fsdp), a given token file that is missing, empty or too short (zerolab.data.check_token_file), a run.dir that another job holds (zerolab/runlock.py)
-or a fresh start over another run's record (zerolab/record.py) exits with code 2 here, before any
+its positions, no blocks for zero3/fsdp), a given token file that is missing, empty or too short (zerolab.data.check_token_file), a run.dir that another job holds (zerolab/run/lock.py)
+or a fresh start over another run's record (zerolab/run/record.py) exits with code 2 here, before any
 allocation or process group is used.
 
   python launch/run_dir.py strategy=zero2 trainer.max_steps=5   ->  /abs/runs/default/...-zero2
@@ -19,12 +19,12 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from zerolab import record, runlock  # noqa: E402
+from zerolab.run import lock as runlock, record  # noqa: E402
 from zerolab.checkpoint import check_resume_path, checkpoint_dir  # noqa: E402
 from zerolab.config import ConfigError, check_overrides, compose, config_groups  # noqa: E402
 from zerolab.data import check_token_file  # noqa: E402
 from zerolab.job import model_preflight  # noqa: E402
-from zerolab.rundir import new_run_dir  # noqa: E402
+from zerolab.run.directory import new_run_dir  # noqa: E402
 
 
 

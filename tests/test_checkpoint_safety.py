@@ -182,7 +182,7 @@ def test_disk_full_at_the_end_keeps_the_weights_and_says_so(tmp_path):
         proc = run_train(run, 2, *TINY, "trainer.max_steps=3", "checkpoint.every=2", f"checkpoint.dir={ck}",
                          check=False)
         out = proc.stdout + proc.stderr
-        assert proc.returncode == 1, out[-4000:]  # zerolab.results.ResultsNotWritten: exit 1, rank 0
+        assert proc.returncode == 1, out[-4000:]  # zerolab.run.results.ResultsNotWritten: exit 1, rank 0
         message = [line for line in out.splitlines() if line.startswith("zerolab: error:")]
         assert len(message) == 1, out[-6000:]
         assert "the run trained all 3 steps, but the disk filled" in message[0]
@@ -198,7 +198,7 @@ def test_disk_full_at_the_end_keeps_the_weights_and_says_so(tmp_path):
 def test_stale_op_build_lock_fails_fast(tmp_path, deepspeed_ops):
     """A copy of the extensions cache with a `lock` left by a build that was killed: the run names
     the lock (without zerolab's check it waits on it until the subprocess timeout)."""
-    from zerolab.strategies.deepspeed import extensions_root, op_names
+    from zerolab.ds_ops import extensions_root, op_names
 
     src, ext = extensions_root(), tmp_path / "torch_extensions"
     ext.mkdir()

@@ -55,7 +55,7 @@ def test_hung_rank_ends_job_naming_it(tmp_path):
                     timeout=240)
     out = proc.stdout + proc.stderr
     # torchrun exits 1 when a worker fails; the first failure in its summary is rank 0's os._exit(1),
-    # after it named the rank that stopped (zerolab.fault.stop_now)
+    # after it named the rank that stopped (zerolab.run.fault.stop_now)
     assert proc.returncode == 1 and re.search(r"Root Cause[\s\S]*exitcode\s*:\s*1 ", out), out[-6000:]
     assert "rank 1 fails before step 2 (fault.mode=hang)" in out
     # Rank 1 is alive (its heartbeat moves) but still in step 1 while rank 0 waits in step 2.

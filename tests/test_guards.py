@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from conftest import ROOT, TORCHRUN, base_env, load_weights, read_metrics, run_process, run_python, run_train
-from zerolab import runlock
+from zerolab.run import lock as runlock
 from zerolab.config import ConfigError, check_overrides, compose, suggest
 from zerolab.data import check_token_file
 from zerolab.errors import ZerolabError, report
@@ -395,7 +395,7 @@ def test_second_job_on_a_held_run_dir_is_refused_and_the_first_is_untouched(tmp_
 
 HOLDER = """
 import sys
-from zerolab import runlock
+from zerolab.run import lock as runlock
 lock = runlock.acquire(sys.argv[1])  # held while this object lives
 print("locked", flush=True)
 sys.stdin.read()  # holds the lock until killed

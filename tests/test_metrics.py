@@ -1,12 +1,12 @@
 """What the training loop shows and where wandb writes, in-process."""
 import logging
 
-from zerolab.metrics import Progress
+from zerolab.run.metrics import Progress
 
 
 def test_progress_without_a_terminal_is_one_line_per_logged_step(caplog):
     # pytest captures stdout and stderr, so neither is a terminal here: no bar, plain log lines
-    with caplog.at_level(logging.INFO, logger="zerolab.metrics"):
+    with caplog.at_level(logging.INFO, logger="zerolab.run.metrics"):
         p = Progress(True, True, 30, 0, "ddp")
         assert p.bar is None
         p.logged(5, 5.4321, 0.0512, 1e-3)
@@ -29,7 +29,7 @@ def _logging_cfg(mode="auto"):
 
 def test_wandb_mode_disabled_in_the_environment_is_respected(tmp_path, monkeypatch):
     """mode=auto used to pass mode=offline explicitly and write an offline run anyway."""
-    from zerolab.metrics import MetricsSink
+    from zerolab.run.metrics import MetricsSink
 
     monkeypatch.setenv("WANDB_MODE", "disabled")
     sink = MetricsSink(str(tmp_path), _logging_cfg("auto"), True, "exp", "ddp", {})
@@ -40,7 +40,7 @@ def test_wandb_mode_disabled_in_the_environment_is_respected(tmp_path, monkeypat
 
 
 def test_wandb_environment_wins_under_auto_only():
-    from zerolab.metrics import wandb_init_kwargs
+    from zerolab.run.metrics import wandb_init_kwargs
 
     env = {"WANDB_MODE": "offline", "WANDB_PROJECT": "theirs", "WANDB_RUN_GROUP": "g", "WANDB_DIR": "/x"}
     kw = wandb_init_kwargs(_logging_cfg("auto"), "/runs/a", "exp", "zero2", {}, environ=env)

@@ -483,7 +483,7 @@ def test_run_weights_and_hf_export_load_with_from_pretrained(configs, one_rank, 
     from transformers import AutoModelForCausalLM
 
     from zerolab.checkpoint.export import export_main
-    from zerolab.results import save_model_config
+    from zerolab.run.results import save_model_config
     from zerolab.trainer import Trainer
 
     run = tmp_path / "run"

@@ -176,7 +176,7 @@ def test_skipped_share_limit_is_named():
     """Above trainer.max_skipped_share (but not all skipped) the message names the share and the key."""
     from zerolab.config import compose
     from zerolab.precision import Precision
-    from zerolab.results import skipped_error
+    from zerolab.run.results import skipped_error
 
     cfg = compose(["precision=bf16", "trainer.max_steps=10"])
     scaler = Precision.from_config(cfg.precision).scaler

@@ -14,8 +14,9 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from zerolab import profile as zp
+from zerolab.profile import profiler as zp_profiler
 from zerolab.config import ConfigError, FaultConfig, compose
-from zerolab.fault import FaultInjector
+from zerolab.run.fault import FaultInjector
 from zerolab.models import build_model, count_params
 
 
@@ -216,8 +217,8 @@ def test_profiling_off_creates_nothing_per_step(tmp_path, monkeypatch):
 
     def refuse(*args, **kwargs):
         raise AssertionError("profiling is off: nothing may be created")
-    monkeypatch.setattr(zp, "CommWatch", refuse)
-    monkeypatch.setattr(zp, "Phases", refuse)
+    monkeypatch.setattr(zp_profiler, "CommWatch", refuse)  # where StepProfiler looks them up
+    monkeypatch.setattr(zp_profiler, "Phases", refuse)
     monkeypatch.setattr(torch.profiler, "profile", refuse)
     assert all(prof.step(s, None, None) is zp.NULL for s in range(10))
     assert not any(prof.profiles(s) for s in range(10))
@@ -236,7 +237,7 @@ def test_which_steps_are_profiled_and_armed(tmp_path):
 # ---- the slow rank ----------------------------------------------------------------------------------
 def test_a_slow_rank_spends_its_time_once_before_the_first_forward(monkeypatch):
     slept = []
-    monkeypatch.setattr("zerolab.fault.time.sleep", slept.append)
+    monkeypatch.setattr("zerolab.run.fault.time.sleep", slept.append)
     cfg = FaultConfig(slow_rank=1, slow_ms=400, at_step=3)
     for rank in (0, 1):
         f = FaultInjector(cfg, rank, 2)

@@ -1,4 +1,4 @@
-"""One run, one record (zerolab/record.py): a fresh start never writes a second history into a
+"""One run, one record (zerolab/run/record.py): a fresh start never writes a second history into a
 run directory, and a resume cuts the record back to its step, atomically.
 
 Fast tier: the rules on directories built here. The slow tier (real torchrun jobs, a kill inside
@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from zerolab import record
+from zerolab.run import record
 from zerolab.config import ConfigError, compose
 
 

@@ -1,4 +1,4 @@
-"""One run, one record, with real jobs (zerolab/record.py; the rules in-process: test_record.py).
+"""One run, one record, with real jobs (zerolab/run/record.py; the rules in-process: test_record.py).
 
 One chain of launches, shared by the tests below (module fixture); the ranks run without torchrun
 (tests/ranks.py) except for the refusals, which are about what train.py and torchrun print:

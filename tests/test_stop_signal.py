@@ -1,12 +1,12 @@
-"""In-process checks of zerolab.preempt's signal handling and zerolab.fault's process states
+"""In-process checks of zerolab.run.preempt's signal handling and zerolab.run.fault's process states
 (real signals to this process; no process is started: fast tier)."""
 import os
 import signal
 
 import pytest
 
-from zerolab.fault import process_state
-from zerolab.preempt import StopRequest
+from zerolab.run.fault import process_state
+from zerolab.run.preempt import StopRequest
 
 
 @pytest.fixture

@@ -139,7 +139,7 @@ def _check_run(cfg: Config, world: int) -> None:
 
 
 def _check_profile(cfg: Config, world: int) -> None:
-    """profile.steps, the peak for MFU and the straggler fault (zerolab/profile.py)."""
+    """profile.steps, the peak for MFU and the straggler fault (zerolab/profile/)."""
     p, t, f = cfg.profile, cfg.trainer, cfg.fault
     outside = [s for s in p.steps if not 1 <= s <= t.max_steps]
     if outside:

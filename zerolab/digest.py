@@ -99,7 +99,7 @@ def gradient_noise(model_cfg, weights: dict[str, torch.Tensor], batches: list) -
 def write_digest(model: torch.nn.Module, data, model_cfg, weights: Optional[dict], run_dir: str,
                  is_main: bool, device, save: Optional[Callable[[str, dict], bool]] = None) -> dict:
     """Collective (every rank evaluates); rank 0 writes the files with `save(name, tensors)`
-    (default: atomically into run_dir; zerolab.results.FinalFiles.save_tensors records a full disk
+    (default: atomically into run_dir; zerolab.run.results.FinalFiles.save_tensors records a full disk
     instead of raising) and returns summary.json's `eval_digest` entry ({} on other ranks)."""
     batches = digest_batches(data, device)
     losses, logits = eval_logits(model, batches)

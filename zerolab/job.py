@@ -4,7 +4,7 @@ directory, train, and say a failure once.
 Before any process group exists every rank finds the same configuration problems, and rank 0
 alone says them (zerolab.errors.exit_for). After it, a failure every rank shares is said by rank
 0 after a barrier; a collective that fails because a peer stopped names that peer
-(zerolab.fault.ProgressBoard) and ends the job at once.
+(zerolab.run.fault.ProgressBoard) and ends the job at once.
 """
 from __future__ import annotations
 
@@ -14,14 +14,14 @@ from typing import Optional
 from omegaconf import DictConfig
 
 from zerolab import dist as zdist
-from zerolab import rundir
+from zerolab.run import directory as rundir
 from zerolab.checkpoint import check_resume_path
 from zerolab.config import Config, ConfigError, validate
 from zerolab.data import check_data
 from zerolab.errors import ZerolabError, report
-from zerolab.fault import RankStopped, stop_now
+from zerolab.run.fault import RankStopped, stop_now
 from zerolab.models import preflight
-from zerolab.results import save_model_config
+from zerolab.run.results import save_model_config
 from zerolab.strategies import strategy_class
 from zerolab.trainer import Trainer
 

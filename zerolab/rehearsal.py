@@ -3,7 +3,7 @@
 What runs is the job's own code. The Trainer builds the model, the strategy wraps and shards it,
 and Trainer.train_step runs forward, backward, the strategy's gradient reduction and its
 optimizer step, each step a logged one, until the step's peak repeats; the memory monitor
-counts what exists exactly as on a logged step of a real run (zerolab.monitor), and the ledger's
+counts what exists exactly as on a logged step of a real run (zerolab.run.monitor), and the ledger's
 prediction for the same run is printed beside it. What is not real, and why it cannot change
 what is counted:
 
@@ -233,7 +233,7 @@ def _steps(trainer, out: Rehearsal) -> None:
 
 
 def _predicted(memory, rank: int) -> dict:
-    """The ledger's prediction for this rank under the figures' keys (zerolab.monitor's)."""
+    """The ledger's prediction for this rank under the figures' keys (zerolab.run.monitor's)."""
     out = {}
     if memory.predicted:
         out.update({f"mem/{k}_bytes": v for k, v in memory.predicted[rank].bytes().items()})

@@ -169,7 +169,7 @@ class TrainerConfig:
     # A run that skipped more than this share of its steps (fp16 overflows, trainer.nonfinite=skip)
     # fails after writing summary.json; one that applied no update at all always fails. 1: only that.
     max_skipped_share: float = 0.5
-    # The device's peak FLOP/s, for MFU (zerolab/profile.py). 0: NVIDIA's data-sheet figure for a GPU
+    # The device's peak FLOP/s, for MFU (zerolab/profile/). 0: NVIDIA's data-sheet figure for a GPU
     # it knows, else one short matmul measured at start on every rank, in the run's compute dtype
     peak_flops: float = 0.0
 
@@ -202,7 +202,7 @@ class RunConfig:
     root: str = "runs"
     save_model: bool = True
     # A fresh start in a run.dir that holds a run's record (metrics, results, checkpoints) is
-    # refused (zerolab/record.py); true removes that record first, naming what it removes.
+    # refused (zerolab/run/record.py); true removes that record first, naming what it removes.
     overwrite: bool = False
 
 
@@ -233,7 +233,7 @@ class FaultConfig:
 
 @dataclass
 class ProfileConfig:
-    """Where the step goes (zerolab/profile.py, docs/profile.md). Off by default, and off costs nothing."""
+    """Where the step goes (zerolab/profile/, docs/profile.md). Off by default, and off costs nothing."""
     # 1-based optimizer steps (as in metrics.jsonl) to split into compute, optimizer, exposed
     # communication and other on every rank; each is logged. Empty: no profiling
     steps: List[int] = field(default_factory=list)
@@ -274,7 +274,7 @@ DECAYS = ("cosine", "linear", "constant")
 WANDB_MODES = ("auto", "online", "offline", "disabled")
 FAULT_MODES = ("exit", "raise", "hang", "stop")
 FAULT_PHASES = ("forward", "backward", "optimizer")  # fault.mode=stop
-RECORD_CUT = "record_cut"  # fault.mode=exit: inside the resume's cut of metrics.jsonl (zerolab.record)
+RECORD_CUT = "record_cut"  # fault.mode=exit: inside the resume's cut of metrics.jsonl (zerolab.run.record)
 
 
 def _choice(key: str, value: Any, allowed) -> None:

@@ -1,8 +1,8 @@
 """The training loop: micro-batches, accumulation, step, eval, logging, final weights.
 
 Read it top to bottom: `Trainer.__init__` builds what a run needs, `fit` is the loop. Around it: the job
-(zerolab/job.py), the strategy's protocol (zerolab/strategies/base.py), memory (zerolab/monitor.py), where a step's
-time goes (zerolab/profile.py), what a run leaves behind (zerolab/results.py), its faults (zerolab/fault.py).
+(zerolab/job.py), the strategy's protocol (zerolab/strategies/base.py), memory (zerolab/run/monitor.py), where a step's
+time goes (zerolab/profile/), what a run leaves behind (zerolab/run/results.py), its faults (zerolab/run/fault.py).
 """
 from __future__ import annotations
 
@@ -14,23 +14,24 @@ from typing import Optional
 
 import torch
 
-from zerolab import dist as zdist, record as run_record, rundir
+from zerolab import dist as zdist
+from zerolab.run import directory as rundir, record as run_record
 from zerolab.atomic import atomic_write_json
 from zerolab.checkpoint import Checkpointer, model_layout
 from zerolab.schema import Config, global_batch, to_dict
 from zerolab.data import WindowSampler, build_data
 from zerolab.digest import write_digest
 from zerolab.errors import ZerolabError
-from zerolab.fault import FaultInjector, ProgressBoard
-from zerolab.metrics import MetricsSink, Progress
+from zerolab.run.fault import FaultInjector, ProgressBoard
+from zerolab.run.metrics import MetricsSink, Progress
 from zerolab.models import build_model, count_params, lm_loss, param_groups
-from zerolab.monitor import MemoryMonitor
+from zerolab.run.monitor import MemoryMonitor
 from zerolab.profile import StepProfiler
 from zerolab.optim import build_optimizer
 from zerolab.optim.schedule import LRSchedule
 from zerolab.precision import Precision
-from zerolab.preempt import MARKER, Preempted, StopRequest
-from zerolab.results import FinalFiles, run_summary, say_where, skipped_error
+from zerolab.run.preempt import MARKER, Preempted, StopRequest
+from zerolab.run.results import FinalFiles, run_summary, say_where, skipped_error
 from zerolab.strategies import strategy_class
 from zerolab.timing import StepClock
 
@@ -45,7 +46,7 @@ class Trainer:
         holds its lock until close()."""
         self.cfg, self.ctx = cfg, ctx
         t = cfg.trainer
-        StopRequest.install()  # SIGTERM/SIGUSR1 from here on: finish the step, save, exit (zerolab.preempt)
+        StopRequest.install()  # SIGTERM/SIGUSR1 from here on: finish the step, save, exit (zerolab.run.preempt)
         self.run_lock = None
         if run_dir is None:
             run_dir, self.run_lock = rundir.claim(cfg, ctx)
@@ -227,7 +228,7 @@ class Trainer:
 
     def preempt(self, done: int, saved: Optional[str]) -> None:
         """Every rank agreed to stop after `done` steps: checkpoint (unless this step's periodic
-        save already did), record why, and raise Preempted (exit code zerolab.preempt.EXIT_PREEMPTED)."""
+        save already did), record why, and raise Preempted (exit code zerolab.run.preempt.EXIT_PREEMPTED)."""
         cfg, ctx = self.cfg, self.ctx
         why = StopRequest.signal_name or "a stop signal received by another rank"
         path = saved
@@ -249,7 +250,7 @@ class Trainer:
                skipped: int = 0, last_record: Optional[dict] = None) -> dict:
         """Final weights and summary.json first, then the final eval (when the last step ran),
         which completes the last metrics record and the summary: an eval that fails cannot cost
-        the weights. A full disk is said once, after the ranks are done (zerolab.results)."""
+        the weights. A full disk is said once, after the ranks are done (zerolab.run.results)."""
         cfg, ctx = self.cfg, self.ctx
         weights = self.strategy.consolidated_state_dict()  # collective
         summary = run_summary(cfg, ctx, n_params=self.n_params, global_batch=self.global_batch, loss=loss,

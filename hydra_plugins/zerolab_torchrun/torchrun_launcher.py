@@ -120,7 +120,7 @@ class TorchrunLauncher(Launcher):
                 t0 = time.time()
                 entry["loadavg_before"] = list(os.getloadavg())
                 with open(entry["log"], "w") as out:
-                    # one wandb group per sweep (zerolab.metrics reads it)
+                    # one wandb group per sweep (zerolab.run.metrics reads it)
                     env = dict(os.environ, ZEROLAB_WANDB_GROUP=f"{self.config.experiment}/{sweep_dir.name}")
                     try:
                         code = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, env=env,

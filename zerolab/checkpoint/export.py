@@ -104,7 +104,7 @@ HF_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}  # config
 
 def _hf_config(path: str, meta: dict, dtype: str) -> dict:
     """config.json for a model=hf checkpoint: the one its run wrote beside its checkpoints
-    (zerolab.results.save_model_config), else the saved run config's model.config resolved again."""
+    (zerolab.run.results.save_model_config), else the saved run config's model.config resolved again."""
     from zerolab.models.sources import hf_config_json
 
     written = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(path))), "config.json")

@@ -15,7 +15,6 @@ import math
 import os
 import re
 import struct
-from contextlib import contextmanager
 from typing import Callable, Optional
 
 import torch

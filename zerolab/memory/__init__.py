@@ -24,3 +24,12 @@ from zerolab.memory.paper import (PAPER_FORMULA, format_paper, paper_bytes, pape
                                   paper_k_text, paper_split, vs_paper)
 from zerolab.memory.prediction import predict, predicted_strategies, prediction_dict
 from zerolab.memory.shapes import load_model_config, optimizer_state_elements, shape_from_model, shape_from_model_config
+
+__all__ = ["CATEGORIES", "GB", "GIB", "MIXED", "MODEL_STATES", "ModelShape", "NotPredicted", "PAPER_FORMULA",
+           "PARTS", "PROCESS_KEYS", "Peak", "Prediction", "StorageCounter", "Term", "WARN_RATIO", "check_against",
+           "check_peak", "cli_main", "format_paper", "format_sweep", "format_table", "human_bytes", "ledger_for_run",
+           "load_model_config", "logits_buffer_bytes", "optimizer_state_elements", "paper_bytes", "paper_formula",
+           "paper_k", "paper_k_text", "paper_split", "peak_for_run", "peak_keys", "peak_of", "plot_sweep", "predict",
+           "predicted_peak", "predicted_strategies", "prediction_dict", "process_memory", "process_summary",
+           "recompute_bytes", "shape_from_model", "shape_from_model_config", "shape_from_params",
+           "sweep_predictions", "vs_paper"]

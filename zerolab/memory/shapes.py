@@ -7,7 +7,7 @@ import os
 
 import torch
 
-from zerolab.accounting import ModelShape, StorageCounter
+from zerolab.accounting import ModelShape
 
 
 def shape_from_model(model, weight_decay: float = 0.1, name: str = "model") -> ModelShape:

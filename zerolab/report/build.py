@@ -39,7 +39,7 @@ TIMING = ("Ratio of p50 step times with a 95 % bootstrap interval (resampling ro
 PEAK = ("Measured: the model states the strategy holds + the activations saved for backward (measured) + the "
         "transients of the same moment (the loss's logits buffers, a recomputed block with checkpointing, the "
         "buffers the strategy recorded); predicted: the planner's composition for the run (zerolab/memory/peak.py).\n")
-BREAKDOWN = ("The profiled steps (profile.steps; zerolab/profile.py, docs/profile.md) split on every rank into four "
+BREAKDOWN = ("The profiled steps (profile.steps; zerolab/profile/, docs/profile.md) split on every rank into four "
              "disjoint parts that add up to the step: compute (forward and backward), optimizer (clip and step), "
              "exposed communication (the rank waited for a collective: on CPU/gloo the host inside a wait; on CUDA "
              "communication kernels not overlapped by compute) and other (data, host work). Comm in flight is all the "

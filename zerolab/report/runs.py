@@ -61,7 +61,7 @@ def find_run_dirs(paths: list[str]) -> list[Path]:
 def load_run(path: Path) -> Run:
     from omegaconf import OmegaConf
 
-    from zerolab.metrics import read_jsonl
+    from zerolab.run.metrics import read_jsonl
 
     cfg = OmegaConf.to_container(OmegaConf.load(path / "config.yaml")) if (path / "config.yaml").exists() else {}
     summary = json.loads((path / "summary.json").read_text()) if (path / "summary.json").exists() else {}

@@ -19,7 +19,6 @@ import copy
 import logging
 import math
 import os
-import time
 import warnings
 from contextlib import contextmanager
 from typing import Optional
@@ -27,10 +26,10 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
-from zerolab.buckets import bucket_cap
-from zerolab.errors import ConfigError
-from zerolab.errors import ZerolabError
+from zerolab import ds_ops
 from zerolab.accounting import ModelShape, NotPredicted, StorageCounter, ceil_div, dtype_name, fmt_n
+from zerolab.buckets import bucket_cap
+from zerolab.errors import ConfigError, ZerolabError
 from zerolab.precision import COMPUTE_BYTES
 from zerolab.strategies.base import OptimizerFactory, StepInfo, Strategy
 from zerolab.strategies.deepspeed_checkpoint import DeepSpeedCheckpointing
@@ -48,8 +47,6 @@ class DeepSpeedMissing(ZerolabError):
 
 def import_deepspeed():
     """DeepSpeed, or an error that says how to install it (a broken install fails on import)."""
-    from zerolab import ds_ops
-
     ds_ops.use_prebuilt()  # the ops `make install` built, not a first-use compile
     try:
         import deepspeed
@@ -105,87 +102,6 @@ def build_ds_config(cfg, world_size: int, grad_element_size: int) -> dict:
         # zerolab's own optimizer is handed over as a client optimizer (see setup).
         ds["zero_allow_untested_optimizer"] = True
     return ds
-
-
-# ---- DeepSpeed's op builds ---------------------------------------------------------------------
-# DeepSpeed compiles its C++ ops on first use with torch.utils.cpp_extension, which serialises
-# builders with a `lock` file created O_EXCL in the op's build directory and removed when the build
-# ends; every other process polls for the file to go. A builder killed mid-build leaves the file,
-# and everyone after waits forever. A live builder is visible: the build runs ninja and the
-# compiler with the build directory as their working directory. So a lock with no process working
-# in its directory, older than the moment between taking the lock and starting ninja, is stale.
-LOCK_GRACE_S = 30.0  # a lock younger than this may be a builder that has not started ninja yet
-OPS_WAIT_S = 1800.0  # the longest zerolab waits for a live build of another process
-
-
-def extensions_root() -> str:
-    """Where torch puts JIT-built extensions (TORCH_EXTENSIONS_DIR, else torch's default)."""
-    from torch.utils import cpp_extension
-
-    root = os.environ.get("TORCH_EXTENSIONS_DIR")
-    if root:
-        return root
-    # torch names its default root per Python and accelerator; ask it rather than repeat the rule
-    probe = cpp_extension._get_build_directory("zerolab_probe", verbose=False)  # creates it, empty
-    try:
-        os.rmdir(probe)
-    except OSError:
-        pass  # another rank removed it first
-    return os.path.dirname(probe)
-
-
-def op_names() -> list[str]:
-    """Names of the ops DeepSpeed's accelerator here can build (their build directories' names)."""
-    import importlib
-
-    from deepspeed.accelerator import get_accelerator
-
-    module = importlib.import_module(get_accelerator().op_builder_dir())
-    return sorted({v.NAME for v in vars(module).values() if isinstance(getattr(v, "NAME", None), str)})
-
-
-def _builders_in(build_dir: str) -> list[int]:
-    """Pids of processes whose working directory is build_dir (ninja, the compiler)."""
-    want, pids = os.path.realpath(build_dir), []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                if os.path.realpath(os.readlink(f"/proc/{entry}/cwd")) == want:
-                    pids.append(int(entry))
-            except OSError:
-                continue  # gone, or not ours to look at
-    return pids
-
-
-def check_op_locks(root: str, names: list[str], wait_s: float = OPS_WAIT_S) -> None:
-    """Returns when no op build lock under root is held; waits (bounded) while a live build holds
-    one; raises a ZerolabError naming a stale lock instead of letting DeepSpeed wait on it forever."""
-    deadline, said = time.monotonic() + wait_s, set()
-    while True:
-        held = [os.path.join(root, n, "lock") for n in names if os.path.exists(os.path.join(root, n, "lock"))]
-        if not held:
-            return
-        lock = held[0]
-        try:
-            age = time.time() - os.stat(lock).st_mtime
-        except FileNotFoundError:
-            continue  # released just now
-        pids = _builders_in(os.path.dirname(lock)) if os.path.isdir("/proc") else [0]
-        if not pids and age > LOCK_GRACE_S:
-            raise ZerolabError(
-                f"DeepSpeed op build lock {lock} is stale: it is {age:.0f} s old and no process is building in "
-                f"{os.path.dirname(lock)} (a build was killed mid-way), so DeepSpeed would wait on it forever. "
-                f"Remove it (rm {lock}) and run again, which rebuilds the op; `make install` prebuilds all of "
-                f"them. If another machine shares {root} and is building there right now, wait for it instead.")
-        if time.monotonic() > deadline:
-            raise ZerolabError(f"DeepSpeed op build lock {lock} has been held for {age:.0f} s by processes "
-                               f"{pids} building in {os.path.dirname(lock)}; gave up after {wait_s:.0f} s. "
-                               f"Check those processes, or remove the lock (rm {lock}) if they are stuck.")
-        if lock not in said:
-            log.warning("waiting for another process to finish building DeepSpeed op %s (lock %s, builders %s)",
-                        os.path.basename(os.path.dirname(lock)), lock, pids or "starting")
-            said.add(lock)
-        time.sleep(1.0)  # torch's own waiters poll the lock file the same way
 
 
 class _CountingBackend:
@@ -327,7 +243,7 @@ class DeepSpeedStrategy(DeepSpeedCheckpointing, Strategy):
                               "updates differ from ddp's (see the parity table of `python -m zerolab compare`)")
             client = make_optimizer(param_groups)
         # Ops DeepSpeed builds on first use: never wait silently on a build lock nobody holds.
-        check_op_locks(extensions_root(), op_names())
+        ds_ops.check_op_locks(ds_ops.extensions_root(), ds_ops.op_names())
         # The process group exists already (zerolab.dist): DeepSpeed adopts it.
         self.engine, _, _, _ = deepspeed.initialize(
             model=model, optimizer=client, model_parameters=None if client is not None else groups,

@@ -49,7 +49,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from zerolab.buckets import MAX_IN_FLIGHT, bucket_cap, pack_buckets, zero_buckets
-from zerolab.accounting import MIXED, StorageCounter, dtype_name, fmt_n, state_bytes
+from zerolab.accounting import StorageCounter, dtype_name, fmt_n, state_bytes
 from zerolab.models import place
 from zerolab.optim.segments import Segment
 from zerolab.precision import COMPUTE_BYTES

@@ -62,7 +62,7 @@ WANDB_ID_FILE = "wandb_run_id"  # in the run directory: the wandb run that mirro
 def wandb_run_id(run_dir: str) -> str:
     """The wandb run id of this run directory, made on first use and kept in the directory, so a
     resume (or a restart round) logs into the same wandb run. run.overwrite=true removes it with
-    the rest of the record (zerolab.record): a new history gets a new wandb run."""
+    the rest of the record (zerolab.run.record): a new history gets a new wandb run."""
     path = os.path.join(run_dir, WANDB_ID_FILE)
     if os.path.exists(path):
         with open(path) as fh:

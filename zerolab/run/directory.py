@@ -2,8 +2,8 @@
 
 `new_run_dir` names a fresh one (<run.root>/<experiment>/<time>-<strategy>[-job<SLURM_JOB_ID>]);
 the launch scripts call it before any rank starts (launch/run_dir.py). `claim` is what the ranks
-do: rank 0 takes the directory's lock (zerolab/runlock.py: one live job per directory), refuses a
-fresh start over another run's record (zerolab/record.py), writes config.yaml, and every rank
+do: rank 0 takes the directory's lock (zerolab/run/lock.py: one live job per directory), refuses a
+fresh start over another run's record (zerolab/run/record.py), writes config.yaml, and every rank
 learns the outcome from one broadcast, so all of them go on or all raise the same error.
 """
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Optional
 
 from omegaconf import OmegaConf
 
-from zerolab import record, runlock
+from zerolab.run import lock as runlock, record
 from zerolab.checkpoint import checkpoint_dir
 from zerolab.schema import Config, to_dict
 from zerolab.errors import ZerolabError

@@ -8,7 +8,7 @@ only in the first attempt of a torchrun job (TORCHELASTIC_RESTART_COUNT=0), so a
 torchrun restarts resumes and finishes instead of failing again.
 `fault.slow_rank=R fault.slow_ms=M fault.at_step=S` makes rank R a straggler instead: it spends M
 ms of host time inside step S, before its first forward (in every attempt; profile.steps shows the
-others waiting for it, zerolab/profile.py).
+others waiting for it, zerolab/profile/).
 
 When a rank stops, the others wait in their next collective until dist.timeout_s and then get an
 error from gloo/NCCL that says "timed out" or "connection closed" but not *who* stopped. Every
@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 from zerolab.schema import RECORD_CUT, FaultConfig
 from zerolab.errors import ZerolabError, debug_enabled
-from zerolab.preempt import StopRequest
+from zerolab.run.preempt import StopRequest
 
 log = logging.getLogger("zerolab")
 

@@ -25,7 +25,7 @@ from typing import Callable, Optional
 
 from zerolab.atomic import atomic_path
 from zerolab.errors import ConfigError
-from zerolab.metrics import WANDB_ID_FILE  # the wandb run mirroring this record: a new history gets a new one
+from zerolab.run.metrics import WANDB_ID_FILE  # the wandb run mirroring this record: a new history gets a new one
 
 log = logging.getLogger("zerolab")
 
@@ -37,7 +37,7 @@ RESULTS = ("summary.json", "model.safetensors", "eval_logits.safetensors", "grad
 class RecordExists(ConfigError):
     """A fresh start in a run directory that holds another run's record."""
 
-    same_on_every_rank = True  # rank 0 decides and shares it (zerolab.rundir.claim)
+    same_on_every_rank = True  # rank 0 decides and shares it (zerolab.run.directory.claim)
 
 
 def later_round() -> bool:

@@ -36,7 +36,7 @@ LOCK_NAME = ".lock"
 class RunDirLocked(ConfigError):
     """Another live job holds the run directory; the message names it and the fix."""
 
-    same_on_every_rank = True  # rank 0 decides and shares it (zerolab.rundir.claim)
+    same_on_every_rank = True  # rank 0 decides and shares it (zerolab.run.directory.claim)
 
 
 def job_id() -> str:
