@@ -48,6 +48,19 @@ def pytest_runtest_teardown(item, nextitem):
     _spawn_allowed = True  # fixtures' teardown and collection may spawn freely
 
 
+def run_linter(cmd: list[str]) -> str:
+    """The one process a fast test may start: the linter's own binary (ruff, a compiled tool that
+    checks the tree in well under a second), not a Python or torchrun process. Returns what it
+    printed."""
+    global _spawn_allowed
+    was, _spawn_allowed = _spawn_allowed, True
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT)
+    finally:
+        _spawn_allowed = was
+    return (done.stdout + done.stderr).strip()
+
+
 # pytest-timeout kills a test at 600 s (pyproject.toml). Every process a test starts has a deadline
 # below it, so the test fails with the process's output, and the whole process group goes with it
 # (a torchrun agent's workers included) instead of outliving the test.

@@ -2,7 +2,7 @@
 
 Fast tier: one in-process gloo rank (conftest's one_rank). Steps 0 and the last are logged
 (the first step of a run and the final eval always are); with trainer.log_every larger than the
-run, the steps between are decided on the device (Strategy.unscale_clip_update).
+run, the steps between are decided on the device (zerolab.numerics).
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import torch
 from conftest import fixed_corpus
 from zerolab.config import compose
 from zerolab.precision import LossScaleUnderflow
-from zerolab.strategies.base import NonFiniteGradient
+from zerolab.numerics import NonFiniteGradient
 from zerolab.trainer import Trainer
 
 STEPS = 5
@@ -112,22 +112,22 @@ def test_unlogged_steps_clip_on_the_device_bitwise_as_logged_ones(one_rank, tmp_
     ("zero2", ("precision=fp16",)), ("zero3", ("precision=fp16",)),
     ("ddp", ("trainer.nonfinite=skip",)), ("zero2", ("precision=bf16", "trainer.nonfinite=skip"))])
 def test_unlogged_steps_skip_on_the_device_bitwise_as_logged_ones(one_rank, tmp_path, monkeypatch, strategy, extra):
-    """An inf gradient at unlogged step 2 (fault.inf_grad_step): the fused optimizer skips the
+    """An inf gradient at unlogged step 3 (fault.inf_grad_step): the fused optimizer skips the
     update on the device flag, fp16's loss scale halves on the device (and doubles after
     growth_interval=2 clean steps), bitwise as the host decides them; clip active elsewhere."""
-    run = logged_vs_unlogged(one_rank, tmp_path, monkeypatch, strategy, *extra, "fault.inf_grad_step=2",
+    run = logged_vs_unlogged(one_rank, tmp_path, monkeypatch, strategy, *extra, "fault.inf_grad_step=3",
                              "optim.grad_clip=0.05", "precision.growth_interval=2")
     assert run["skipped"] == [False, False, True, False, False], run
-    if "precision=fp16" in extra:  # x2 after steps 0-1, /2 at step 2, x2 after steps 3-4
+    if "precision=fp16" in extra:  # x2 after steps 1-2, /2 at step 3, x2 after steps 4-5
         assert run["scale"] == {"scale": 2.0 ** 17, "clean_steps": 2, "skipped_steps": 1}, run
 
 
 def test_nonfinite_unlogged_step_stops_before_its_weights_are_saved(one_rank, tmp_path):
-    """An inf gradient at unlogged step 1 poisons the weights on the device; the checkpoint after
-    step 2 settles first and stops the run naming step 1, and no checkpoint of it exists."""
+    """An inf gradient at unlogged step 2 poisons the weights on the device; the checkpoint after
+    it settles first and stops the run naming step 2, and no checkpoint of it exists."""
     trainer = trainer_for(one_rank, tmp_path / "run", "zero2", "trainer.log_every=100", "checkpoint.every=2",
-                          "fault.inf_grad_step=1")
-    with pytest.raises(NonFiniteGradient, match=r"step 1 \(0-based.*not finite \(seen at step 2"):
+                          "fault.inf_grad_step=2")
+    with pytest.raises(NonFiniteGradient, match=r"step 2: the gradient norm is not finite \(seen at step 2"):
         trainer.fit()
     trainer.close()
     ckpt = tmp_path / "run" / "checkpoints"
@@ -139,15 +139,15 @@ def test_skips_decided_on_the_device_are_reported_at_the_next_logged_step(one_ra
     skipped update (trainer.nonfinite=skip), in the log and in summary.json's count; an fp16
     overflow that takes the loss scale below precision.min_scale stops the run."""
     trainer = trainer_for(one_rank, tmp_path / "skip", "ddp", "trainer.log_every=100", "trainer.nonfinite=skip",
-                          "fault.inf_grad_step=2")
+                          "fault.inf_grad_step=3")
     with caplog.at_level("WARNING", logger="zerolab"):
         summary = trainer.fit()
     trainer.close()
     assert summary["skipped_steps"] == 1
-    assert any("1 update(s) skipped from step 2 (0-based" in r.getMessage() for r in caplog.records), caplog.text
+    assert any("1 update(s) skipped from step 3 " in r.getMessage() for r in caplog.records), caplog.text
     trainer = trainer_for(one_rank, tmp_path / "fp16", "ddp", "trainer.log_every=100", "precision=fp16",
-                          "precision.min_scale=65536", "fault.inf_grad_step=2")
-    with pytest.raises(LossScaleUnderflow, match="step 2: fp16 loss scale would fall to 32768"):
+                          "precision.min_scale=65536", "fault.inf_grad_step=3")
+    with pytest.raises(LossScaleUnderflow, match="step 3: fp16 loss scale would fall to 32768"):
         trainer.fit()
     trainer.close()
 

@@ -4,7 +4,7 @@ Every fenced code block and inline code span of README.md and docs/**/*.md is re
 
 1. each Hydra override given to `train.py`, `launch/torchrun.sh`, `launch/slurm.sbatch` or
    `make run ... ARGS="..."` (and each inline span made only of overrides, or naming one dotted
-   config key) names a key of zerolab's closed schema (`zerolab.schema.SCHEMA_KEYS`, free-form
+   config key) names a key of zerolab's closed schema (`zerolab.schema_keys.SCHEMA_KEYS`, free-form
    dicts such as strategy.ds_config_overrides included) or a config group of conf/ with an
    existing option (every value of a `-m` comma list); `hydra.launcher.*` keys must be the
    torchrun or submitit launcher's;
@@ -155,7 +155,7 @@ FILE_SUFFIX = re.compile(r"\.(safetensors|jsonl?|ya?ml|py|md|png|bin|pt|txt|out|
 
 def check_override(token: str) -> str | None:
     """None if `token` is an override zerolab accepts, else what is wrong with it."""
-    from zerolab.schema import _known, suggest
+    from zerolab.schema_keys import _known, suggest
 
     body = token.lstrip("+~")
     key, has_value, value = body.partition("=")

@@ -1,21 +1,28 @@
 """The house rules, checked in the fast tier: the layers of pyproject.toml's import-linter contract
 hold, no two zerolab modules or packages import each other (function-level imports included),
-the trainer reads as a loop (at most 300 lines, no function in zerolab over 60), and vulture finds
-no unused code (its configuration and whitelist: pyproject.toml, tests/vulture_whitelist.py)."""
+the step reads on one screen (Trainer.train_step and Trainer.fit at most 40 lines each, naming no
+fault, progress-board or profiler call: those sit behind zerolab/run/instruments.py), no module in
+zerolab over 450 lines and no function over 60, ruff and vulture find nothing (their configuration:
+pyproject.toml, tests/vulture_whitelist.py), and the Strategy base class keeps a narrow surface."""
 import ast
 import contextlib
 import io
 import os
+import re
+import sys
 import tomllib
+from pathlib import Path
 from collections import defaultdict
 
 import pytest
 
-from conftest import ROOT
+from conftest import ROOT, run_linter
 
 PACKAGE = ROOT / "zerolab"
 MAX_FUNCTION_LINES = 60
-MAX_TRAINER_LINES = 300
+MAX_MODULE_LINES = 450
+MAX_LOOP_LINES = 40  # Trainer.train_step and Trainer.fit: one screen each
+MAX_STRATEGY_SURFACE = 20  # public members of the Strategy base class (docs/writing-a-strategy.md lists them)
 
 
 def _contract() -> dict:
@@ -117,16 +124,52 @@ def test_the_cycle_scan_finds_a_cycle():
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 
-def test_the_trainer_is_short_and_no_function_is_long():
-    assert len((PACKAGE / "trainer.py").read_text().splitlines()) <= MAX_TRAINER_LINES
+def _functions(path):
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            yield node
+
+
+def test_no_module_or_function_is_long():
     long = []
     for path in PACKAGE.rglob("*.py"):
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                lines = node.end_lineno - node.lineno + 1
-                if lines > MAX_FUNCTION_LINES:
-                    long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name} ({lines} lines)")
+        lines = len(path.read_text().splitlines())
+        if lines > MAX_MODULE_LINES:
+            long.append(f"{path.relative_to(ROOT)} ({lines} lines)")
+        for node in _functions(path):
+            lines = node.end_lineno - node.lineno + 1
+            if lines > MAX_FUNCTION_LINES:
+                long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name} ({lines} lines)")
     assert not long, long
+
+
+def test_the_step_reads_on_one_screen():
+    """train_step and fit: short, and the instruments are called through one object (`watch`),
+    never the fault injector, the progress board or the profiler by name."""
+    source = (PACKAGE / "trainer.py").read_text()
+    loop = {n.name: n for n in _functions(PACKAGE / "trainer.py") if n.name in ("train_step", "fit")}
+    assert set(loop) == {"train_step", "fit"}
+    for name, node in loop.items():
+        assert node.end_lineno - node.lineno + 1 <= MAX_LOOP_LINES, (name, node.end_lineno - node.lineno + 1)
+        body = ast.get_source_segment(source, node)
+        named = [w for w in ("fault", "board", "progress", "profiler") if re.search(rf"\b{w}\b", body)]
+        assert not named, f"Trainer.{name} calls {named} directly"
+
+
+def test_the_strategy_base_class_is_narrow():
+    from zerolab.strategies.base import Strategy
+
+    surface = sorted(n for n in dir(Strategy) if not n.startswith("_"))
+    assert len(surface) <= MAX_STRATEGY_SURFACE, surface
+    page = (ROOT / "docs" / "writing-a-strategy.md").read_text()
+    assert [n for n in surface if f"`{n}`" not in page] == [], "docs/writing-a-strategy.md must name every member"
+
+
+def test_ruff_finds_nothing():
+    ruff = Path(sys.executable).parent / "ruff"  # the dev extra's (pyproject.toml), beside this interpreter
+    assert ruff.exists(), f"no {ruff}: ruff is part of the dev extra (make install)"
+    out = run_linter([str(ruff), "check", "--quiet", str(ROOT)])
+    assert out == "", out
 
 
 def test_vulture_finds_no_unused_code():

@@ -1,4 +1,4 @@
-"""The memory half of the strategy protocol: every strategy predicts itself (MemoryModel), the
+"""The memory half of the strategy protocol: every strategy predicts itself (Strategy.predict_memory), the
 ledger finds it through the registry and names no strategy, and predicting a strategy needs none
 of its optional dependencies."""
 import io
@@ -10,18 +10,18 @@ import pytest
 
 from conftest import run_python
 from zerolab.memory import ledger_for_run, predict, shape_from_model_config, shape_from_params
-from zerolab.strategies import KNOWN, memory_model
-from zerolab.strategies.memory_protocol import MemoryModel
+from zerolab.strategies import REGISTRY, strategy_class
+from zerolab.strategies.base import Strategy
 
 MEMORY_DIR = Path(__file__).resolve().parent.parent / "zerolab" / "memory"
 
 
-@pytest.mark.parametrize("name", list(KNOWN))
+@pytest.mark.parametrize("name", list(REGISTRY))
 def test_every_strategy_predicts_itself(name):
-    cls = memory_model(name)
-    assert issubclass(cls, MemoryModel)
-    assert cls.predict_memory.__func__ is not MemoryModel.predict_memory.__func__, f"{name} has no predict_memory"
-    for stage in cls.sweep_stages or (0,):
+    cls = strategy_class(name)
+    assert issubclass(cls, Strategy)
+    assert cls.predict_memory.__func__ is not Strategy.predict_memory.__func__, f"{name} has no predict_memory"
+    for stage in cls.traits.sweep_stages or (0,):
         label, paper_stage = cls.memory_identity(stage)
         pred = predict(shape_from_params(1001), name, 3, "bf16", stage=stage, state_elements=2)
         assert (pred.strategy, pred.stage) == (label, paper_stage)
@@ -31,7 +31,7 @@ def test_every_strategy_predicts_itself(name):
 def test_memory_package_names_no_strategy():
     """The issue's rule: the ledger's code (comments aside) names no strategy; each strategy's
     terms live in its own file and are found through the registry."""
-    names = re.compile(r"\b(" + "|".join(map(re.escape, KNOWN)) + r")\b", re.IGNORECASE)
+    names = re.compile(r"\b(" + "|".join(map(re.escape, REGISTRY)) + r")\b", re.IGNORECASE)
     found = []
     for path in sorted(MEMORY_DIR.glob("*.py")):
         for tok in tokenize.generate_tokens(io.StringIO(path.read_text()).readline):

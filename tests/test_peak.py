@@ -59,7 +59,7 @@ def test_ddp_records_its_step_transient_in_bf16(tmp_path, one_rank):
     trainer, _ = _train_one_rank(tmp_path, one_rank, "model=gpt_tiny", "model.block_size=32",
                                  "data.micro_batch=1", "trainer.max_steps=1", "precision=bf16", "strategy=ddp")
     predicted = [t.bytes for t in trainer.memory.predicted[0].terms if t.category == "transient" and t.when == "step"]
-    assert trainer.strategy.transient_peak_bytes() == {"backward": 0, "step": 4 * trainer.n_params}
+    assert trainer.strategy.transient.peak() == {"backward": 0, "step": 4 * trainer.n_params}
     assert predicted == [4 * trainer.n_params]
 
 
@@ -75,7 +75,7 @@ def test_zero_transient_stays_within_its_prediction(tmp_path, one_rank, strategy
                                        f"strategy={strategy}", "strategy.bucket_mb=0.05")
     last = records[-1]
     model_part = 8 * 2 * 32 * trainer.cfg.model.vocab_size  # the loss's logits buffers
-    measured = trainer.strategy.transient_peak_bytes()["backward"]
+    measured = trainer.strategy.transient.peak()["backward"]
     assert last["rank0/mem/peak_transient_bytes"] == model_part + measured
     predicted = last["rank0/mem_pred/peak_transient_bytes"] - model_part
     # Before the fix of zero.py's _launch_ready nothing was freed until backward ended: every

@@ -76,7 +76,7 @@ def test_loss_scaler_rules():
     s.update(found_inf=True, step=3)
     s.update(found_inf=True, step=4)
     assert s.scale == 2.0 ** 15 and s.skipped_steps == 2
-    with pytest.raises(LossScaleUnderflow, match="step 6.*min_scale"):
+    with pytest.raises(LossScaleUnderflow, match="step 7.*min_scale"):  # 0-based step 6, named from 1
         s.update(found_inf=True, step=5)
         s.update(found_inf=True, step=6)
     restored = LossScaler(PrecisionConfig(name="fp16"), True)
@@ -116,11 +116,11 @@ def test_fp16_injected_inf_skips_that_step_on_every_rank(tmp_path):
     run.mkdir()
     cmd = [*TORCHRUN, "--standalone", "--nproc_per_node=2", str(script), str(run), f"run.dir={run}",
            "logging.wandb.mode=disabled", "logging.progress=false", *COMMON, "precision=fp16",
-           "strategy=ddp", "trainer.max_steps=6", "fault.inf_grad_step=3", "fault.inf_grad_rank=1"]
+           "strategy=ddp", "trainer.max_steps=6", "fault.inf_grad_step=4", "fault.inf_grad_rank=1"]
     proc = run_process(cmd, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     m = read_metrics(run)
-    assert [r["skipped"] for r in m] == [False, False, False, True, False, False]  # "step" 4 = 0-based 3
+    assert [r["skipped"] for r in m] == [False, False, False, True, False, False]  # the record of "step": 4
     scales = [r["loss_scale"] for r in m]
     assert scales[:3] == [65536.0] * 3 and scales[3:] == [32768.0] * 3
     assert m[-1]["skipped_steps"] == 1 and m[-1]["loss"] < m[0]["loss"]
@@ -134,11 +134,11 @@ def test_fp16_injected_inf_skips_that_step_on_every_rank(tmp_path):
 @pytest.mark.slow
 def test_nonfinite_gradient_stop_names_step_and_tensor(tmp_path):
     proc = run_train(tmp_path / "stop", 2, *COMMON, "precision=fp32", "trainer.max_steps=4",
-                     "fault.inf_grad_step=2", check=False)
+                     "fault.inf_grad_step=3", check=False)
     assert proc.returncode == 1, proc.stdout[-3000:]  # NonFiniteGradient, a ZerolabError: exit 1
     err = proc.stdout + proc.stderr
     # One explained failure, from rank 0: no rank is blamed for "stopping" (each raised by itself).
-    assert err.count("zerolab: error: step 2 (0-based") == 1, err[-4000:]
+    assert err.count("zerolab: error: step 3: the gradient norm is inf") == 1, err[-4000:]
     assert "first non-finite gradient: wte.weight" in err and "RankStopped" not in err
 
 
@@ -147,7 +147,7 @@ def test_nonfinite_gradient_skip_continues(tmp_path):
     run = tmp_path / "skip"
     # 1 of 4 skipped is a share of 0.25: at the limit, not above it, so the run succeeds
     proc = run_train(run, 2, *COMMON, "precision=bf16", "trainer.max_steps=4", "trainer.nonfinite=skip",
-                     "fault.inf_grad_step=1", "trainer.max_skipped_share=0.25")
+                     "fault.inf_grad_step=2", "trainer.max_skipped_share=0.25")
     assert [r["skipped"] for r in read_metrics(run)] == [False, True, False, False]
     assert "skipping the update (trainer.nonfinite=skip)" in proc.stdout + proc.stderr
     summary = json.loads((run / "summary.json").read_text())

@@ -25,28 +25,42 @@ TINY = ["model=gpt_tiny", "trainer.eval_every=0", "data.micro_batch=2", "logging
 def test_every_strategy_declares_format_settings_and_one_reference():
     import dataclasses
 
-    from zerolab.schema import StrategyConfig
+    from zerolab.schema import STRATEGY_SETTINGS, StrategyConfig
+    from zerolab.strategies.base import Traits
 
-    # the settings whose schema field says the strategy decides: every strategy.* key but the name
+    # every strategy.* key but the name is the chosen strategy's to read (BY_STRATEGY)
     decided = {k for k, rule in applies_rules().items() if rule == BY_STRATEGY}
     assert {f"strategy.{f.name}" for f in dataclasses.fields(StrategyConfig) if f.name != "name"} <= decided
     for name in REGISTRY:
         cls = strategy_class(name)
-        assert cls.name == name
+        assert cls.name == name and isinstance(cls.traits, Traits), name
         assert cls.checkpoint_format in ("pieces", "native", "none"), name
-        assert cls.uses <= decided, f"{name} uses settings no schema field leaves to it: {sorted(cls.uses - decided)}"
+        assert cls.traits.settings in STRATEGY_SETTINGS, f"{name}'s settings are not a dataclass of the schema's"
+        assert cls.traits.also_reads <= decided, f"{name} reads settings left to no strategy: {cls.traits.also_reads}"
     assert reference_strategy() == "ddp"
-    # and no setting is orphaned: every one the strategy decides is read by some strategy
-    used = set().union(*(strategy_class(name).uses for name in REGISTRY))
-    assert decided <= used, f"strategy-decided settings no strategy uses: {sorted(decided - used)}"
+    # and no setting is orphaned: every one a strategy decides is read by some strategy
+    cfg = compose(TINY)
+    used = {k for k in decided for name in REGISTRY if strategy_class(name).reads(k, cfg)}
+    assert decided <= used, f"strategy-decided settings no strategy reads: {sorted(decided - used)}"
     # torch_zero inherits DDP's checkpoint methods but must not write them (its optimizer state
-    # lives on the rank owning each parameter): the class attribute says so, not a name list.
+    # lives on the rank owning each parameter): the class says so, not a name list.
     assert strategy_class("torch_zero").checkpoint_format == "none"
     assert names_where(checkpoint_format="pieces") == ["ddp", "zero1", "zero2", "zero3"]
     assert names_where(checkpoint_format="native") == ["deepspeed"]
     # the default lists of `make run`, bench/compare.py and bench/zero.py come from the registry
     assert all_names().split(",") == list(REGISTRY)
     assert names_where(zerolab_sharder=True) == ["zero1", "zero2", "zero3"]
+    assert names_where(rehearsable="") == [n for n in REGISTRY if n != "deepspeed"]
+
+
+def test_a_strategy_reads_exactly_its_settings_dataclass():
+    """strategy.reshard_after_forward is zero3's alone; bucket_mb everyone's who has buckets."""
+    cfg = compose(TINY)
+    assert strategy_class("zero3").reads("strategy.reshard_after_forward", cfg)
+    assert not strategy_class("zero2").reads("strategy.reshard_after_forward", cfg)
+    assert not strategy_class("fsdp").reads("strategy.bucket_mb", cfg)
+    assert strategy_class("deepspeed").reads("strategy.ds_config_overrides", cfg)
+    assert not strategy_class("deepspeed").reads("trainer.nonfinite", cfg)  # DeepSpeed decides non-finite steps
 
 
 def _code_words(path: Path) -> set[str]:
@@ -184,3 +198,53 @@ def test_format_2_checkpoint_still_loads(tmp_path, monkeypatch):
         b.close()
     finally:
         zdist.shutdown(ctx)
+
+
+# ---- the example strategy of docs/writing-a-strategy.md, run as written --------------------------------
+def _documented_strategy(tmp_path, monkeypatch) -> str:
+    """The page's python block, as a module on the path, registered under its own name."""
+    import sys
+
+    page = (ROOT / "docs" / "writing-a-strategy.md").read_text()
+    (block,) = [b for b in re.findall(r"```python\n(.*?)```", page, re.S) if "class FlatAllReduceStrategy" in b]
+    (tmp_path / "documented_strategy.py").write_text(block)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "documented_strategy", raising=False)
+    monkeypatch.setitem(REGISTRY, "flat_allreduce", "documented_strategy:FlatAllReduceStrategy")
+    return "flat_allreduce"
+
+
+def test_the_documented_example_strategy_trains_as_ddp(tmp_path, monkeypatch, one_rank):
+    """The page's strategy, registered as it says, trains 4 steps equal to ddp's: on one rank both
+    apply the same gradients (an all-reduce of one rank is the identity) through the same
+    `_update` and optimizer, so the weights agree exactly; its memory equals its own prediction."""
+    from zerolab.trainer import Trainer
+
+    name = _documented_strategy(tmp_path, monkeypatch)
+    weights, memory = {}, {}
+    for strategy in ("ddp", name):
+        cfg = compose([*TINY, "strategy=ddp", f"run.dir={tmp_path / strategy}", "trainer.max_steps=4",
+                       f"data.path={fixed_corpus()}", "optim.grad_clip=0.5"])
+        cfg.strategy.name = strategy  # (its yaml would say `name: flat_allreduce`; the schema is shared)
+        trainer = Trainer(cfg, one_rank)
+        try:
+            for step in range(4):
+                trainer.train_step(step)
+            weights[strategy] = {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+            memory[strategy] = trainer.strategy.memory()
+            predicted = trainer.memory.predicted[0].bytes()
+        finally:
+            trainer.close()
+    ddp = {k.removeprefix("module."): v for k, v in weights["ddp"].items()}
+    assert ddp.keys() == weights[name].keys()
+    assert all(torch.equal(ddp[k], weights[name][k]) for k in ddp), "the example strategy diverged from ddp"
+    assert memory[name]["model_states"] == predicted["model_states"]
+
+
+def test_the_documented_example_refuses_what_it_cannot_run(tmp_path, monkeypatch):
+    from zerolab.errors import ConfigError
+
+    name = _documented_strategy(tmp_path, monkeypatch)
+    cfg = compose([*TINY, "strategy=ddp", "precision=bf16"])
+    with pytest.raises(ConfigError, match="trains fp32 only"):
+        strategy_class(name).check_config(cfg, 1)

@@ -1,6 +1,7 @@
 """A run's configuration, checked: `validate` turns a composed config into a `Config` or raises
 ConfigError naming the key, the bad value and what would be accepted; `compose` composes one
-outside @hydra.main (tests, tools). The schema itself is zerolab/schema.py, re-exported here.
+outside @hydra.main (tests, tools). The schema itself is zerolab/schema.py (its keys:
+zerolab/schema_keys.py); what other modules import from here is listed in __all__.
 
 Every value check is here, run before any process group exists (train.py turns a failure into
 exit code 2, said once): the ranges and choices types cannot express, divisibility, and what the
@@ -18,14 +19,13 @@ from typing import List, Optional
 from omegaconf import DictConfig, OmegaConf
 
 from zerolab.errors import ConfigError
-from zerolab.schema import (BY_STRATEGY, CONF_DIR, DATA_KINDS, DECAYS, FAULT_MODES, FAULT_PHASES, FREE,  # noqa: F401
-                            LR_SCALING, RECORD_CUT,
-                            MODEL_KINDS, OPTIMIZERS, PRECISIONS, SCHEMA_KEYS, WANDB_MODES, CheckpointConfig, Config,
-                            DataConfig, DistConfig, FaultConfig, LoggingConfig, ModelConfig, OptimConfig,
-                            PrecisionConfig, RunConfig, StrategyConfig, TrainerConfig, WandbConfig, _choice, _positive,
-                            applies_rules, check_keys, check_overrides, config_groups, default_of, global_batch,
-                            suggest, to_dict, value_of, world_size_from_env)
+from zerolab.schema import (BY_STRATEGY, DATA_KINDS, DECAYS, FAULT_MODES, FAULT_PHASES, LR_SCALING, MODEL_KINDS,
+                            OPTIMIZERS, PRECISIONS, RECORD_CUT, WANDB_MODES, Config, DataConfig, DistConfig,
+                            FaultConfig, LoggingConfig, ModelConfig, OptimConfig, PrecisionConfig, _choice, _positive,
+                            applies_rules, default_of, global_batch, value_of, world_size_from_env)
+from zerolab.schema_keys import CONF_DIR, check_keys, check_overrides, config_groups, suggest
 from zerolab.strategies import REGISTRY, strategy_class
+from zerolab.topology import Topology
 
 log = logging.getLogger("zerolab")
 
@@ -40,6 +40,8 @@ def validate(cfg: DictConfig | Config, world_size: Optional[int] = None) -> Conf
     _check_optim(cfg.optim)
     _check_trainer(cfg)
     _check_run(cfg, world)
+    if cfg.dist.ranks_per_node:
+        Topology(world, cfg.dist.ranks_per_node)  # ConfigError naming a divisor unless it divides the world
     _check_profile(cfg, world)
     _choice("strategy.name", cfg.strategy.name, sorted(REGISTRY))
     _positive("strategy.bucket_mb", cfg.strategy.bucket_mb)
@@ -112,6 +114,7 @@ def _check_trainer(cfg: Config) -> None:
     _choice("dist.backend", cfg.dist.backend, ("auto", "nccl", "gloo"))
     _choice("dist.device", cfg.dist.device, ("auto", "cpu", "cuda"))
     _positive("dist.timeout_s", cfg.dist.timeout_s)
+    _positive("dist.ranks_per_node", cfg.dist.ranks_per_node, allow_zero=True)
 
 
 def _check_run(cfg: Config, world: int) -> None:
@@ -130,6 +133,10 @@ def _check_run(cfg: Config, world: int) -> None:
                 f"(e.g. {per_step * max(1, d.global_batch // per_step)}) or change data.micro_batch")
         t.grad_accum_steps = d.global_batch // per_step
     _choice("fault.mode", f.mode, FAULT_MODES)
+    for key, step in (("fault.at_step", f.at_step), ("fault.inf_grad_step", f.inf_grad_step)):
+        if step == 0 or step < -1:
+            raise ConfigError(f"{key}={step}: steps count from 1, as in metrics.jsonl (step N is the N-th optimizer "
+                              f"step, whose record says \"step\": N); give 1 or more, or -1 for none")
     if f.kill_rank >= world:
         raise ConfigError(f"fault.kill_rank={f.kill_rank} but the job has {world} ranks")
     if f.mode == "stop":
@@ -155,8 +162,9 @@ def _check_profile(cfg: Config, world: int) -> None:
     if f.slow_rank >= world:
         raise ConfigError(f"fault.slow_rank={f.slow_rank} but the job has {world} ranks")
     if (f.slow_rank >= 0) != (f.slow_ms > 0) or (f.slow_rank >= 0 and f.at_step < 0):
-        raise ConfigError(f"a slow rank needs all of fault.slow_rank=R, fault.slow_ms=M > 0 and fault.at_step=S "
-                          f"(0-based; got slow_rank={f.slow_rank}, slow_ms={f.slow_ms:g}, at_step={f.at_step})")
+        raise ConfigError(f"a slow rank needs all of fault.slow_rank=R, fault.slow_ms=M > 0 and fault.at_step=N "
+                          f"(counted from 1, as profile.steps; got slow_rank={f.slow_rank}, slow_ms={f.slow_ms:g}, "
+                          f"at_step={f.at_step})")
 
 
 # ---- settings that have no effect -------------------------------------------------------------
@@ -197,7 +205,8 @@ def warn_unused_settings(cfg: Config, strategy) -> list[str]:
         if seen in _warned:
             continue
         _warned.add(seen)
-        msg = f"{key}={value!r} has no effect {why}; default {default_of(key)!r}: remove it, or change what it depends on"
+        msg = (f"{key}={value!r} has no effect {why}; default {default_of(key)!r}: remove it, or change what it "
+               "depends on")
         log.warning(msg)
         said.append(msg)
     return said
@@ -214,3 +223,9 @@ def compose(overrides: List[str] = (), config_dir: Optional[str] = None, world_s
     with initialize_config_dir(config_dir=config_dir, version_base="1.3"):
         dcfg = hydra_compose(config_name="config", overrides=list(overrides))
     return validate(dcfg, world_size)
+
+
+# What the rest of zerolab and the tests import from here (the schema's names, checked).
+__all__ = ["Config", "ConfigError", "DataConfig", "DistConfig", "FaultConfig", "LoggingConfig", "ModelConfig",
+           "OPTIMIZERS", "OptimConfig", "PrecisionConfig", "check_overrides", "compose", "config_groups",
+           "global_batch", "suggest", "validate"]

@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from zerolab.schema import DistConfig
 from zerolab.errors import ConfigError, ZerolabError
+from zerolab.topology import Topology, topology_for
 
 
 @dataclass
@@ -36,7 +37,14 @@ class DistContext:
     # A dry run (zerolab.rehearsal): the group is torch's fake one, whose collectives move nothing,
     # and tensors are fake. The few places that read data across ranks ask this.
     rehearsal: bool = False
+    # Which ranks share a node (zerolab.topology): dist.ranks_per_node, else the launcher's.
+    topology: Optional[Topology] = None
     _mesh: Optional[Any] = None
+    _node_mesh: Optional[Any] = None
+
+    def __post_init__(self):
+        if self.topology is None:
+            self.topology = Topology(self.world_size, self.world_size)
 
     @property
     def is_main(self) -> bool:
@@ -49,6 +57,18 @@ class DistContext:
 
             self._mesh = init_device_mesh(self.device.type, (self.world_size,))
         return self._mesh
+
+    def node_mesh(self):
+        """The 2-D DeviceMesh (node x local) of the topology, built once, every subgroup made in
+        the same order on every rank: `mesh.get_group("local")` is this rank's node, `"node"` the
+        ranks with its local index on every node (FSDP2's HSDP takes the mesh as it is)."""
+        if self._node_mesh is None:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            t = self.topology
+            self._node_mesh = init_device_mesh(self.device.type, (t.nodes, t.per_node),
+                                               mesh_dim_names=("node", "local"))
+        return self._node_mesh
 
     def barrier(self) -> None:
         dist.barrier()
@@ -125,7 +145,7 @@ def init(cfg: DistConfig) -> DistContext:
     # frozen rank must fail the stop agreement as soon as it fails any other collective.
     host_group = dist.new_group(backend="gloo", timeout=timeout) if world > 1 else None
     return DistContext(rank=rank, local_rank=local_rank, world_size=world, device=device, backend=backend,
-                       store=store, host_group=host_group)
+                       store=store, host_group=host_group, topology=topology_for(cfg.ranks_per_node, world))
 
 
 def shutdown(ctx: Optional[DistContext]) -> None:

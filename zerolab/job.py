@@ -32,7 +32,7 @@ def model_preflight(cfg: Config) -> None:
     """A user's model (model=hf, model=custom) is resolved, built on the meta device and checked
     against what the strategy needs (zerolab.models.preflight); model.vocab_size becomes model=hf's
     own, before the data is checked against it. ConfigError otherwise. Also launch/run_dir.py's."""
-    needs = getattr(strategy_class(cfg.strategy.name), "needs_blocks", False)
+    needs = strategy_class(cfg.strategy.name).traits.needs_blocks
     preflight(cfg.model, needed_by=f"strategy={cfg.strategy.name}" if needs else "")
 
 

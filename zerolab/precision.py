@@ -43,9 +43,9 @@ class LossScaler:
     must already agree across ranks (strategies all-reduce it), so every rank skips together.
 
     The scale and its counters are 0-dim tensors on the run's device, so a step can update them
-    without the host knowing whether it overflowed (Strategy.unscale_clip_update on unlogged
-    steps). The scale is fp64: powers of two, and the unscale multiplier coef/scale is then the
-    same fp64 division a Python float gives. A scale that would fall below min_scale is noted,
+    without the host knowing whether it overflowed (zerolab.numerics, on unlogged steps). The
+    scale is fp64: powers of two, and the unscale multiplier coef/scale is then the same fp64
+    division a Python float gives. A scale that would fall below min_scale is noted,
     not applied; settle() raises LossScaleUnderflow for it (at once on a host-decided step)."""
 
     def __init__(self, cfg: PrecisionConfig, enabled: bool, device: torch.device = torch.device("cpu")):
@@ -101,7 +101,7 @@ class LossScaler:
         if step >= 0:
             self._underflow_step.fill_(-1)
             raise LossScaleUnderflow(
-                f"step {step}: fp16 loss scale would fall to {self.scale / 2:g}, below precision.min_scale="
+                f"step {step + 1}: fp16 loss scale would fall to {self.scale / 2:g}, below precision.min_scale="
                 f"{self.min_scale:g}; the gradients overflow even unscaled. Lower the lr, enable "
                 "clipping, or use precision=bf16")
 

@@ -1,32 +1,26 @@
-"""zerolab's configuration schema: typed dataclasses registered in Hydra's ConfigStore, closed.
-
-Hydra already rejects wrongly typed values, and unknown keys given without `+`, because every
-group merges into one of these dataclasses. The schema is closed: `check_keys` refuses a key
-that is not a field of these dataclasses however it got in (`+key=...` adds keys to a struct
-config), and `check_overrides` refuses one on the command line before Hydra runs, so the
-message can suggest the nearest valid key instead of Hydra's advice to append it with `+`.
+"""zerolab's configuration schema: typed dataclasses registered in Hydra's ConfigStore, closed
+(zerolab/schema_keys.py refuses any key they do not declare, with the nearest valid one).
 
 A field that has an effect only for some setups says so where it is declared:
 `setting(default, applies=...)`, with `applies` either BY_STRATEGY (the chosen strategy's class
-decides: Strategy.uses / Strategy.reads) or (key, values) (only when config key `key` has one of
+decides: Strategy.reads) or (key, values) (only when config key `key` has one of
 `values`). zerolab.config.validate warns, once, about a value set away from its default that
 has no effect for the chosen setup. The value checks themselves are zerolab.config.validate's.
 
 This module is at the bottom of zerolab's layers: everything reads it, it reads only
-zerolab.errors. (A strategy that needs a setting of its own adds a field to StrategyConfig here,
-marked BY_STRATEGY, and lists it in its class's `uses`.)
+zerolab.errors. (A strategy that needs a setting of its own adds it to its settings dataclass in
+the strategy section below; every strategy.* field is decided by the strategy, BY_STRATEGY.)
 """
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import os
 import typing
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterable, List, Optional
+from typing import Any, Dict, List, Optional
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf import MISSING, OmegaConf
 
 from zerolab.errors import ConfigError
 
@@ -108,24 +102,62 @@ class DataConfig:
     global_batch: int = 0
 
 
+# ---- strategies: each one's settings, and the one section Hydra composes ----------------------------
+# A strategy reads exactly the fields of its own settings dataclass (Strategy.traits.settings); the
+# section `strategy` is their union, so one sweep can give every strategy the same overrides and a
+# value that has no effect under the chosen strategy is warned about (zerolab.config), not refused.
+# They live here, below every layer, so that a config is checked without importing a strategy.
 @dataclass
-class StrategyConfig:
+class StrategySettings:
     name: str = MISSING  # a key of zerolab.strategies.REGISTRY
-    # Each key is read by the strategies whose class lists it in `uses` (BY_STRATEGY).
-    bucket_mb: float = setting(25.0, applies=BY_STRATEGY)  # DDP bucket cap / ZeRO reduce-scatter and all-gather bucket size
-    find_unused_parameters: bool = setting(False, applies=BY_STRATEGY)  # ddp: parameters that may get no gradient
-    stage: int = setting(0, applies=BY_STRATEGY)  # deepspeed: its ZeRO stage (0-3)
-    overlap_comm: bool = setting(True, applies=BY_STRATEGY)  # deepspeed: overlap its reductions with backward
-    client_optimizer: bool = setting(False, applies=BY_STRATEGY)  # deepspeed: allow zerolab's LAMB/LARS as a client optimizer
-    # deepspeed: merged into its JSON config
-    ds_config_overrides: Dict[str, Any] = setting(applies=BY_STRATEGY, factory=dict)
-    # zero1/2/3: the dtype gradients are reduce-scattered in. auto (= gradient dtype) | fp32; zero3
-    # also keeps its gradient shard in it (16-bit under bf16/fp16 with auto)
-    reduce_dtype: str = setting("auto", applies=BY_STRATEGY)
-    # zero3: free a unit's all-gathered weights after its forward and gather them again for its
-    # backward (3Ψ(N-1)/N sent per rank per micro-batch, one unit's weights alive at a time);
-    # false keeps them from forward until the unit's backward is done (2Ψ(N-1)/N, more memory).
-    reshard_after_forward: bool = setting(True, applies=BY_STRATEGY)
+
+
+@dataclass
+class BucketSettings(StrategySettings):
+    # MB of gradient per bucket: DDP's all-reduce buckets, zerolab's reduce-scatter/all-gather
+    # buckets, DeepSpeed's reduce/all-gather bucket sizes (converted to elements)
+    bucket_mb: float = 25.0
+
+
+@dataclass
+class DDPSettings(BucketSettings):
+    find_unused_parameters: bool = False  # parameters that may get no gradient
+
+
+@dataclass
+class ZeroSettings(BucketSettings):
+    # the dtype gradients are reduce-scattered in: auto (= gradient dtype) | fp32; zero3 also keeps
+    # its gradient shard in it (16-bit under bf16/fp16 with auto)
+    reduce_dtype: str = "auto"
+
+
+@dataclass
+class Zero3Settings(ZeroSettings):
+    # free a unit's all-gathered weights after its forward and gather them again for its backward
+    # (3Ψ(N-1)/N sent per rank per micro-batch, one unit's weights alive at a time); false keeps
+    # them from forward until the unit's backward is done (2Ψ(N-1)/N, more memory)
+    reshard_after_forward: bool = True
+
+
+@dataclass
+class DeepSpeedSettings(BucketSettings):
+    stage: int = 0  # its ZeRO stage (0-3; conf/strategy/deepspeed.yaml sets 2)
+    overlap_comm: bool = True  # overlap its reductions with backward
+    client_optimizer: bool = False  # allow zerolab's LAMB/LARS as a client optimizer
+    ds_config_overrides: Dict[str, Any] = field(default_factory=dict)  # merged into its JSON config last
+
+
+@dataclass
+class StrategyConfig(Zero3Settings, DDPSettings, DeepSpeedSettings):
+    """The union of every strategy's settings: the `strategy` section of the config."""
+
+
+STRATEGY_SETTINGS = (StrategySettings, BucketSettings, DDPSettings, ZeroSettings, Zero3Settings, DeepSpeedSettings)
+
+
+def settings_for(section: Any, settings: type) -> Any:
+    """The fields of `settings` (a strategy's dataclass) taken from a config's strategy section."""
+    return settings(**{f.name: getattr(section, f.name) for f in dataclasses.fields(settings)})
 
 
 @dataclass
@@ -194,6 +226,10 @@ class DistConfig:
     backend: str = "auto"  # auto (nccl on CUDA, gloo on CPU) | nccl | gloo
     device: str = "auto"  # auto | cpu | cuda
     timeout_s: float = 300.0  # a collective waiting longer than this ends the job
+    # Ranks per node (the node x local mesh, zerolab.dist.Topology). 0: the launcher's (torchrun's
+    # LOCAL_WORLD_SIZE, Slurm's tasks per node), else every rank on one node. Set it to lay out
+    # nodes on one machine: 4 ranks as 2 nodes x 2 (docs/launch.md); it must divide the world size.
+    ranks_per_node: int = 0
 
 
 @dataclass
@@ -216,16 +252,17 @@ class CheckpointConfig:
 
 @dataclass
 class FaultConfig:
-    """Deliberate failures, for testing recovery paths. All off by default."""
+    """Deliberate failures, for testing recovery paths. All off by default. Steps count from 1,
+    as metrics.jsonl and profile.steps do: step N is the one whose record says "step": N."""
     kill_rank: int = -1  # rank that fails ...
-    at_step: int = -1  # ... when it reaches this step
+    at_step: int = -1  # ... when it reaches this step (1-based; -1: never)
     mode: str = "exit"  # exit (os._exit) | raise | hang (before at_step) | stop (SIGSTOP inside at_step)
     # mode=stop: forward | backward | optimizer. mode=exit with phase=record_cut: rank 0 exits
     # while a resume cuts metrics.jsonl back (between writing the kept prefix and its rename)
     phase: str = "backward"
-    inf_grad_step: int = -1  # put an inf into one gradient at this step (loss-scaling tests)
+    inf_grad_step: int = -1  # put an inf into one gradient in this step (1-based; loss-scaling tests)
     inf_grad_rank: int = 0
-    # A straggler: rank slow_rank spends slow_ms ms of host time inside step at_step (0-based),
+    # A straggler: rank slow_rank spends slow_ms ms of host time inside step at_step (1-based),
     # before its first forward; counted in that step's time (profile.steps shows where it lands)
     slow_rank: int = -1
     slow_ms: float = 0.0
@@ -295,118 +332,15 @@ def world_size_from_env() -> int:
     return 1
 
 
-# ---- the closed schema -----------------------------------------------------------------------
-def _schema(cls=Config, prefix: str = "") -> dict[str, Any]:
-    """Every dotted key of the schema -> its dataclass (a section), FREE (a free-form dict such as
-    strategy.ds_config_overrides, whose keys are DeepSpeed's) or None (a value)."""
-    keys: dict[str, Any] = {}
-    hints = typing.get_type_hints(cls)
-    for f in dataclasses.fields(cls):
-        key, kind = prefix + f.name, hints[f.name]
-        if dataclasses.is_dataclass(kind):
-            keys[key] = kind
-            keys.update(_schema(kind, key + "."))
-        else:
-            keys[key] = FREE if typing.get_origin(kind) in (dict, Dict) else None
-    return keys
-
-
-FREE = "free-form"
-SCHEMA_KEYS = _schema()
-CONF_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf")
-
-
-def suggest(key: str) -> str:
-    """'did you mean X?' for the valid key nearest to `key`, else what its section holds."""
-    values = [k for k, kind in SCHEMA_KEYS.items() if not isinstance(kind, type)]
-    name = key.rsplit(".", 1)[-1]
-    same_name = [k for k in values if k.rsplit(".", 1)[-1] == name]  # right key, wrong section
-    close = same_name or difflib.get_close_matches(key, values if "." in key else list(SCHEMA_KEYS), n=1, cutoff=0.6)
-    if close:
-        return f"did you mean {close[0]}?"
-    section = key.rsplit(".", 1)[0] if "." in key else ""
-    if section in SCHEMA_KEYS and not isinstance(SCHEMA_KEYS[section], type):
-        return f"{section} is a value, with no keys below it."
-    if section in SCHEMA_KEYS:
-        names = [k[len(section) + 1:] for k in SCHEMA_KEYS if k.startswith(section + ".") and k.count(".") == key.count(".")]
-        return f"{section} has: {', '.join(names)}."
-    return f"the top-level keys are: {', '.join(k for k in SCHEMA_KEYS if '.' not in k)}."
-
-
-def _unknown(key: str, given: str = "") -> ConfigError:
-    how = f" (given as {given})" if given else ""
-    return ConfigError(f"Could not override '{key}'{how}: no such key; {suggest(key)} zerolab's schema is "
-                       f"closed (zerolab/schema.py): `+` cannot add keys either (only below "
-                       f"strategy.ds_config_overrides, which takes DeepSpeed's keys).")
-
-
-def _known(key: str) -> bool:
-    parts = key.split(".")
-    for i in range(1, len(parts) + 1):
-        kind = SCHEMA_KEYS.get(".".join(parts[:i]), "unknown")
-        if kind == FREE:
-            return True  # anything below a free-form dict
-        if kind == "unknown" or (kind is None and i < len(parts)):
-            return False
-    return True
-
-
-def config_groups(config_dir: str = CONF_DIR) -> dict[str, list[str]]:
-    """The config groups of conf/ (model, strategy, ...) and their options (the yaml files)."""
-    return {d: sorted(f[:-5] for f in os.listdir(os.path.join(config_dir, d)) if f.endswith(".yaml"))
-            for d in sorted(os.listdir(config_dir)) if os.path.isdir(os.path.join(config_dir, d))}
-
-
-def check_overrides(overrides: Iterable[str], groups: "dict[str, list[str]] | Iterable[str]" = ()) -> None:
-    """Refuse command-line overrides of keys the schema lacks, with or without `+`/`++`/`~`, and
-    options a config group does not have (`strategy=nonexistent`), each in one line, before Hydra
-    composes anything. `groups`: top-level config group names that are not keys (e.g. `launcher`),
-    or {group: options} to check the options too (config_groups()); `hydra.*` and `group/option`
-    overrides are Hydra's business and pass through."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-    from hydra.core.override_parser.types import Glob
-
-    options = groups if isinstance(groups, dict) else {}
-    parser = OverridesParser.create()
-    for arg in overrides:
-        try:
-            (override,) = parser.parse_overrides([arg])
-        except Exception:  # not an override Hydra can parse: Hydra reports it
-            continue
-        key = override.key_or_group
-        if override.package is not None or "/" in key or key.split(".")[0] == "hydra":
-            continue
-        if "." not in key and key in groups:
-            if key in options and not override.is_delete() and not isinstance(override.value(), Glob):
-                given = (list(override.sweep_string_iterator()) if override.is_sweep_override()
-                         else [override.get_value_element_as_str()])
-                for value in given:
-                    if value not in options[key] and value != "null":
-                        raise ConfigError(f"{key}={value}: no such option of config group {key}; choose one of "
-                                          f"{', '.join(options[key])} (conf/{key}/*.yaml)")
-            continue
-        if not _known(key):
-            raise _unknown(key, arg)
-
-
-def check_keys(cfg: DictConfig, prefix: str = "") -> None:
-    """Refuse keys of a composed config that its schema lacks (added with `+key=...`)."""
-    for name in cfg.keys():
-        key = prefix + str(name)
-        if key not in SCHEMA_KEYS:
-            raise _unknown(key)
-        node = cfg._get_node(name)
-        if isinstance(SCHEMA_KEYS[key], type) and isinstance(node, DictConfig) and not node._is_missing() \
-                and not node._is_none():
-            check_keys(node, key + ".")
-
-
 def applies_rules(cls=Config, prefix: str = "") -> dict[str, Any]:
-    """Every dotted key declared with `setting(..., applies=...)` -> its rule."""
+    """Every dotted key declared with `setting(..., applies=...)` -> its rule; every key of the
+    strategy section but its name is the chosen strategy's to read (BY_STRATEGY)."""
     rules, hints = {}, typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         if dataclasses.is_dataclass(hints[f.name]):
             rules.update(applies_rules(hints[f.name], prefix + f.name + "."))
+        elif cls is StrategyConfig and f.name != "name":
+            rules[prefix + f.name] = BY_STRATEGY
         elif f.metadata.get("applies") is not None:
             rules[prefix + f.name] = f.metadata["applies"]
     return rules

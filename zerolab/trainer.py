@@ -1,41 +1,54 @@
-"""The training loop: micro-batches, accumulation, step, eval, logging, final weights.
+"""The training loop: micro-batches, accumulation, step, eval, logging, checkpoints, final weights.
 
-Read it top to bottom: `Trainer.__init__` builds what a run needs, `fit` is the loop. Around it: the job
-(zerolab/job.py), the strategy's protocol (zerolab/strategies/base.py), memory (zerolab/run/monitor.py), where a step's
-time goes (zerolab/profile/), what a run leaves behind (zerolab/run/results.py), its faults (zerolab/run/fault.py).
+Read it top to bottom: `Trainer.__init__` builds what a run needs, `train_step` is one optimizer
+step, `fit` the loop. What the step calls lives, in reading order, in: the strategy
+(zerolab/strategies/base.py: backward, reduce, step), the step's arithmetic (zerolab/numerics.py:
+the global norm, unscale, clip, skip), what watches the loop (zerolab/run/instruments.py: the
+progress board, faults, the memory meter, the profiler), checkpoints (zerolab/checkpoint/), and
+what a run leaves behind (zerolab/run/results.py). docs/architecture.md traces one step through them.
+Steps are counted from 0 here; records and settings name step s as s + 1 (metrics.jsonl's "step").
 """
 from __future__ import annotations
 
 import logging
 import os
 from contextlib import nullcontext
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Optional
 
 import torch
 
 from zerolab import dist as zdist
-from zerolab.run import directory as rundir, record as run_record
 from zerolab.atomic import atomic_write_json
 from zerolab.checkpoint import Checkpointer, model_layout
-from zerolab.schema import Config, global_batch, to_dict
 from zerolab.data import WindowSampler, build_data
 from zerolab.digest import write_digest
 from zerolab.errors import ZerolabError
-from zerolab.run.fault import FaultInjector, ProgressBoard
-from zerolab.run.metrics import MetricsSink, Progress
 from zerolab.models import build_model, count_params, lm_loss, param_groups
-from zerolab.run.monitor import MemoryMonitor
-from zerolab.profile import StepProfiler
 from zerolab.optim import build_optimizer
 from zerolab.optim.schedule import LRSchedule
 from zerolab.precision import Precision
+from zerolab.run import directory as rundir, record as run_record
+from zerolab.run.instruments import Instruments
+from zerolab.run.metrics import MetricsSink
 from zerolab.run.preempt import MARKER, Preempted, StopRequest
 from zerolab.run.results import FinalFiles, run_summary, say_where, skipped_error
+from zerolab.schema import Config, global_batch, to_dict
 from zerolab.strategies import strategy_class
 from zerolab.timing import StepClock
 
 log = logging.getLogger("zerolab")
+
+
+@dataclass
+class RunSoFar:
+    """What the loop carries from step to step to the run's end."""
+    loss: float = float("nan")  # the last logged mean loss
+    eval_loss: float = float("nan")
+    skipped: int = 0  # updates skipped (every rank agrees); a device tensor once one was decided there
+    per_rank: list = field(default_factory=list)  # the last logged step's figures of every rank
+    last_record: Optional[dict] = None  # the final step's record: logged by finish, with the final eval
 
 
 class Trainer:
@@ -56,26 +69,24 @@ class Trainer:
         torch.manual_seed(t.seed)  # same initial weights on every rank
         model = model.to(ctx.device) if model is not None else build_model(cfg.model, device=ctx.device)
         self.n_params, layout = count_params(model), model_layout(model)  # before a strategy partitions parameters
-        self.memory = MemoryMonitor(cfg, ctx, model)  # before sharding
-        self.profiler = StepProfiler(cfg, ctx, model, run_dir, self.precision.compute_dtype)  # FLOPs/token, the peak
+        self.watch = Instruments(cfg, ctx, model, run_dir, self.precision.compute_dtype)  # before sharding
+        self.memory = self.watch.memory
         self.strategy = strategy_class(cfg.strategy.name)(cfg, ctx, self.precision)
         self.model = self.strategy.setup(model, param_groups(model, cfg.optim.weight_decay),
                                          partial(build_optimizer, cfg.optim))
-        self.memory.attach(self.strategy)
+        self.watch.attach(self.strategy)
         torch.manual_seed(t.seed + 1 + ctx.rank)  # dropout differs per rank, reproducibly
 
         self.data, n_windows = build_data(cfg.data, cfg.model.block_size, cfg.model.vocab_size, t.seed)
         self.global_batch = global_batch(cfg, ctx.world_size)
         self.sampler = WindowSampler(n_windows, t.seed, cfg.data.micro_batch, t.grad_accum_steps, ctx.world_size)
         self.schedule = LRSchedule.from_config(cfg.optim, self.global_batch, t.max_steps)
-        self.fault = FaultInjector(cfg.fault, ctx.rank, ctx.world_size)
-        self.progress = ProgressBoard(ctx.rank, ctx.world_size, ctx.store, cfg.dist.timeout_s)  # names a rank that stops
         self.checkpointer = Checkpointer(cfg, ctx, self.run_dir, layout)
         self.start_step = 0
         if cfg.checkpoint.resume:  # weights, optimizer state, RNG, loss scale; data and LR follow the step
             self.start_step = self.checkpointer.resume(self.strategy, self.schedule, self.sampler)
         if ctx.is_main:  # one history: the record is cut back to the step this run starts from
-            run_record.cut_back(self.run_dir, self.start_step, before_replace=self.fault.in_record_cut)
+            run_record.cut_back(self.run_dir, self.start_step, before_replace=self.watch.fault.in_record_cut)
         self.metrics = MetricsSink(self.run_dir, cfg.logging, ctx.is_main, cfg.experiment,
                                    cfg.strategy.name, to_dict(cfg))
         if ctx.is_main:
@@ -90,7 +101,7 @@ class Trainer:
             return
         self.closed = True
         self.metrics.close()
-        self.progress.close()
+        self.watch.close()
         self.strategy.close()
         if self.run_lock is not None:
             self.run_lock.release()
@@ -105,50 +116,87 @@ class Trainer:
         # trainer.log_every says (eval_every need not be a multiple of log_every).
         t, every = self.cfg.trainer, self.cfg.logging.layer_stats_every
         return ((step + 1) % t.log_every == 0 or step == self.start_step or self.evals_step(step)
-                or bool(every and (step + 1) % every == 0) or self.profiler.profiles(step))
+                or bool(every and (step + 1) % every == 0) or self.watch.profiles(step))
 
     def saves_step(self, step: int) -> bool:
         # Every `every` steps, and the last step too: a finished run can be continued from its end.
         every = self.cfg.checkpoint.every
         return bool(every) and ((step + 1) % every == 0 or step + 1 == self.cfg.trainer.max_steps)
 
+    def stats_level(self, step: int, logged: bool) -> int:
+        """What the strategy measures about the update (Strategy.step): optimizer statistics cost
+        norms and a device sync, so only on logged steps; per-tensor ratios every layer_stats_every."""
+        every = self.cfg.logging.layer_stats_every
+        return 0 if not logged else 2 if every and (step + 1) % every == 0 else 1
+
     # ---- one optimizer step --------------------------------------------------------------------
     def train_step(self, step: int):
-        accum = self.cfg.trainer.grad_accum_steps
+        accum, watch = self.cfg.trainer.grad_accum_steps, self.watch
         self.model.train()
-        lr = self.schedule(step)
+        lr, logged = self.schedule(step), self.logs_step(step)
+        watch.begin(step, logged)
         losses = []
-        board, fault = self.progress, self.fault  # where this rank is, for naming a rank that stops
-        logged = self.logs_step(step)
-        self.memory.begin_step(logged)
         for micro in range(accum):
+            last = micro == accum - 1
             batch = self.data.train_batch(self.sampler, step, self.ctx.rank, micro, self.ctx.device)
             # Only the last micro-batch communicates (DDP's no_sync; ZeRO-2 keeps reducing).
-            with self.strategy.no_sync() if micro < accum - 1 else nullcontext():
-                board.at(step, "forward")
-                fault.in_phase(step, "forward")
-                # Bytes saved for backward, measured on logged steps only (hooks cost nothing otherwise);
-                # every micro-batch has the same shapes, so the first one stands for all.
-                with self.memory.meter(self.model, enabled=logged and micro == 0) as meter:
+            with self.strategy.no_sync() if not last else nullcontext():
+                with watch.forward(self.model, metered=logged and micro == 0) as seen:
                     logits = self.model(batch.x)
+                    seen(logits)
                     loss = lm_loss(logits, batch.y)
-                self.memory.measured(meter, logits)
                 del logits
-                scaled = loss / accum
-                if micro == accum - 1:
-                    scaled = fault.poison(scaled, step)  # fault.inf_grad_step (tests of loss scaling)
-                board.at(step, "backward")
-                fault.in_phase(step, "backward", scaled)
-                self.strategy.backward(scaled)
+                self.strategy.backward(watch.backward(loss / accum, last))
             losses.append(loss.detach())
-        # Optimizer statistics cost norms and a device sync: only on steps that are logged.
-        every = self.cfg.logging.layer_stats_every
-        stats_level = 0 if not logged else 2 if every and (step + 1) % every == 0 else 1
-        board.at(step, "optimizer")
-        fault.in_phase(step, "optimizer")
-        info = self.strategy.step(lr, stats_level)
+        watch.at("optimizer")
+        info = self.strategy.step(lr, self.stats_level(step, logged))
         # The mean loss stays a tensor: reading it (a device sync on CUDA) only on logged steps.
         return torch.stack(losses).mean(), lr, info
+
+    # ---- the loop ----------------------------------------------------------------------------
+    def fit(self) -> dict:
+        ctx, t, run = self.ctx, self.cfg.trainer, RunSoFar()
+        clock = StepClock(ctx.device)  # no device sync per step: the sharders' all-gathers stay in flight
+        self.watch.show(ctx.is_main, t.max_steps, self.start_step, self.cfg.strategy.name)
+        if ctx.is_main and os.path.exists(os.path.join(self.run_dir, MARKER)):
+            os.remove(os.path.join(self.run_dir, MARKER))  # a previous attempt's: this one is running now
+        for step in range(self.start_step, t.max_steps):
+            with self.watch.step(step, self.strategy, self.model):  # profile.steps only; else nothing
+                clock.start()
+                local_loss, lr, info = self.train_step(step)
+                clock.stop()
+            run.skipped += info.skipped
+            if self.logs_step(step):
+                self.log_and_eval(step, clock.last(), local_loss, lr, info, run)
+            else:
+                self.strategy.comm.pop_step()
+            self.watch.advance()
+            saved = self.save(step + 1) if self.saves_step(step) else None
+            # One tiny all-reduce per step: a stop signal seen by any rank stops all after this step.
+            if step + 1 < t.max_steps and StopRequest.agreed(ctx.world_size, ctx.host_group):
+                self.watch.end_progress()
+                self.preempt(step + 1, saved)
+        self.watch.end_progress()
+        summary = self.finish(run, clock.times())
+        if summary.get("error"):  # after summary.json is written, so the record of the failure exists
+            err = ZerolabError(summary["error"])
+            err.same_on_every_rank = True  # every rank counted the same skipped steps: rank 0 says it
+            raise err
+        return summary
+
+    def log_and_eval(self, step: int, step_s: float, local_loss, lr: float, info, run: RunSoFar) -> None:
+        """A logged step: its record (the final step's waits for the final eval, in finish), the
+        eval when one is due, and the progress line."""
+        record, run.per_rank = self.log_step(step, step_s, local_loss, lr, info)
+        run.loss = record["loss"]
+        if step + 1 == self.cfg.trainer.max_steps:
+            run.last_record = record
+        else:
+            if self.evals_step(step):
+                self.watch.at("eval")
+                run.eval_loss = record["eval_loss"] = self.evaluate()
+            self.metrics.log(record)
+        self.watch.logged(record, info.skipped)
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -161,14 +209,13 @@ class Trainer:
 
     def log_step(self, step: int, step_s: float, local_loss: torch.Tensor, lr: float, info) -> tuple[dict, list]:
         """A logged step's record (metrics.jsonl, wandb) and every rank's figures (collective)."""
-        self.progress.at(step, "log")
+        self.watch.at("log")
         loss = self.ctx.all_reduce_mean(local_loss.item())
-        comm = self.strategy.comm.pop_step()
-        per_rank = self.ctx.gather_objects({**self.memory.rank_figures(comm), **self.profiler.rank_figures(step)})
+        per_rank = self.ctx.gather_objects(self.watch.rank_figures(step, self.strategy.comm.pop_step()))
         record = {"step": step + 1, "loss": loss, "lr": lr, "grad_norm": info.grad_norm,
                   "grad_norm_clipped": info.grad_norm_clipped, "skipped": info.skipped, "step_time_s": step_s,
                   "tokens_per_s": self.global_batch * self.cfg.model.block_size / step_s,
-                  "global_batch": self.global_batch, **self.profiler.rates(step_s), **info.extra}
+                  "global_batch": self.global_batch, **self.watch.profiler.rates(step_s), **info.extra}
         if "optim_step_s" in record:
             record["optim_step_share"] = record["optim_step_s"] / step_s
         if self.precision.scaler.enabled:
@@ -179,52 +226,10 @@ class Trainer:
         record.update(self.memory.record_keys(per_rank, bool(info.skipped)))
         return record, per_rank
 
-    # ---- the loop ----------------------------------------------------------------------------
-    def fit(self) -> dict:
-        ctx, t = self.ctx, self.cfg.trainer
-        clock, eval_loss, loss = StepClock(ctx.device), float("nan"), float("nan")
-        bar = Progress(ctx.is_main, self.cfg.logging.progress, t.max_steps, self.start_step, self.cfg.strategy.name)
-        per_rank: list[dict] = []
-        skipped = 0  # steps whose update was skipped (every rank agrees on each); a device tensor once one was decided there
-        last_record = None  # the final step's record: logged by finish, with the final eval
-        if ctx.is_main and os.path.exists(os.path.join(self.run_dir, MARKER)):
-            os.remove(os.path.join(self.run_dir, MARKER))  # a previous attempt's: this one is running now
-        for step in range(self.start_step, t.max_steps):
-            self.fault.before_step(step)
-            with self.profiler.step(step, self.strategy, self.model):  # profile.steps only; else nothing
-                clock.start()  # no device sync per step (zerolab.timing): the sharders' all-gathers stay in flight
-                local_loss, lr, info = self.train_step(step)
-                clock.stop()
-            skipped += info.skipped
-            if self.logs_step(step):
-                record, per_rank = self.log_step(step, clock.last(), local_loss, lr, info)
-                loss = record["loss"]
-                if step + 1 == t.max_steps:
-                    last_record = record
-                else:
-                    if self.evals_step(step):
-                        self.progress.at(step, "eval")
-                        eval_loss = record["eval_loss"] = self.evaluate()
-                    self.metrics.log(record)
-                bar.logged(step + 1, loss, record["step_time_s"], lr, info.skipped)
-            else:
-                self.strategy.comm.pop_step()
-            bar.advance()
-            saved = None
-            if self.saves_step(step):
-                self.progress.at(step, "checkpoint")
-                saved = self.checkpointer.save(step + 1, self.strategy, self.schedule, self.sampler)
-            # One tiny all-reduce per step: a stop signal seen by any rank stops all after this step.
-            if step + 1 < t.max_steps and StopRequest.agreed(ctx.world_size, ctx.host_group):
-                bar.close()
-                self.preempt(step + 1, saved)
-        bar.close()
-        summary = self.finish(loss, eval_loss, clock.times(), per_rank, int(skipped), last_record)
-        if summary.get("error"):  # after summary.json is written, so the record of the failure exists
-            err = ZerolabError(summary["error"])
-            err.same_on_every_rank = True  # every rank counted the same skipped steps: rank 0 says it
-            raise err
-        return summary
+    def save(self, done: int) -> str:
+        """Checkpoint after `done` steps (collective); returns its path."""
+        self.watch.at("checkpoint")
+        return self.checkpointer.save(done, self.strategy, self.schedule, self.sampler)
 
     def preempt(self, done: int, saved: Optional[str]) -> None:
         """Every rank agreed to stop after `done` steps: checkpoint (unless this step's periodic
@@ -233,8 +238,7 @@ class Trainer:
         why = StopRequest.signal_name or "a stop signal received by another rank"
         path = saved
         if path is None and self.strategy.checkpoint_format != "none":
-            self.progress.at(done - 1, "checkpoint")
-            path = self.checkpointer.save(done, self.strategy, self.schedule, self.sampler)
+            path = self.save(done)
         elif path is None:
             log.warning("strategy=%s cannot write checkpoints: stopping after step %d without one",
                         cfg.strategy.name, done)
@@ -243,21 +247,20 @@ class Trainer:
             self.metrics.log(record)
             atomic_write_json(os.path.join(self.run_dir, MARKER), {**record, "max_steps": cfg.trainer.max_steps})
         self.metrics.close({"stopped": "preempted", "stopped_at_step": done})
-        self.progress.close()
+        self.watch.close()
         raise Preempted.after(done, cfg.trainer.max_steps, why, path, self.run_dir)
 
-    def finish(self, loss: float, eval_loss: float, step_times: list[float], per_rank: list[dict],
-               skipped: int = 0, last_record: Optional[dict] = None) -> dict:
+    def finish(self, run: RunSoFar, step_times: list[float]) -> dict:
         """Final weights and summary.json first, then the final eval (when the last step ran),
         which completes the last metrics record and the summary: an eval that fails cannot cost
         the weights. A full disk is said once, after the ranks are done (zerolab.run.results)."""
         cfg, ctx = self.cfg, self.ctx
         weights = self.strategy.consolidated_state_dict()  # collective
-        summary = run_summary(cfg, ctx, n_params=self.n_params, global_batch=self.global_batch, loss=loss,
-                              eval_loss=None if last_record else eval_loss, step_times=step_times, skipped=skipped,
-                              run_dir=self.run_dir, metrics_path=self.metrics.path,
-                              memory={**self.memory.summary(per_rank), **self.profiler.summary(step_times)})
-        error = skipped_error(cfg, self.precision.scaler, self.start_step, skipped, len(step_times))
+        summary = run_summary(cfg, ctx, n_params=self.n_params, global_batch=self.global_batch, loss=run.loss,
+                              eval_loss=None if run.last_record else run.eval_loss, step_times=step_times,
+                              skipped=int(run.skipped), run_dir=self.run_dir, metrics_path=self.metrics.path,
+                              memory=self.watch.summary(run.per_rank, step_times))
+        error = skipped_error(cfg, self.precision.scaler, self.start_step, int(run.skipped), len(step_times))
         if error:
             summary["error"] = error
         files = FinalFiles(self.run_dir)  # rank 0's writes
@@ -265,36 +268,36 @@ class Trainer:
             if cfg.run.save_model and weights is not None and files.save_tensors("model.safetensors", weights):
                 summary["weights"] = os.path.join(self.run_dir, "model.safetensors")
             files.save_json("summary.json", summary)
-        eval_loss = self._final_eval(summary, weights, last_record, files, eval_loss)
+        eval_loss = self._final_eval(summary, weights, run, files)
         problem = files.problem(cfg.trainer.max_steps, self.checkpointer.last_saved) if ctx.is_main else None
         if ctx.is_main:
             if problem is not None:
                 summary["final_write_error"] = str(problem)
             files.save_json("summary.json", summary)
             say_where(summary, cfg.model.vocab_size, eval_loss)
-        self.progress.close()
+        self.watch.close()
         self.metrics.close(summary)
         ctx.barrier()
         if problem is not None:
             raise problem  # after the barrier: the other ranks have finished with rank 0
         return summary
 
-    def _final_eval(self, summary: dict, weights, last_record: Optional[dict], files: FinalFiles,
-                    eval_loss: float) -> float:
+    def _final_eval(self, summary: dict, weights, run: RunSoFar, files: FinalFiles) -> float:
         """The digest (fixed held-out logits and the gradient-noise probe, for the parity report)
         and the final eval, both collective; then the last step's record, with its eval_loss if the
         eval completed. Returns the eval loss."""
+        eval_loss, last = run.eval_loss, run.last_record
         try:  # everything here evaluates the model: it may fail, the weights are safe
             summary["eval_digest"] = write_digest(self.model, self.data, self.cfg.model, weights, self.run_dir,
                                                   self.ctx.is_main, self.ctx.device, save=files.save_tensors)
-            if last_record is not None:
-                eval_loss = summary["eval_loss"] = last_record["eval_loss"] = self.evaluate()
+            if last is not None:
+                eval_loss = summary["eval_loss"] = last["eval_loss"] = self.evaluate()
         except BaseException as err:
             if self.ctx.is_main:  # the weights are saved; say in the summary why eval_loss is missing
                 summary["final_eval_error"] = f"{type(err).__name__}: {err}"[:1000]
                 files.save_json("summary.json", summary)
             raise
         finally:
-            if last_record is not None:
-                files.attempt("metrics.jsonl", lambda: self.metrics.log(last_record))
+            if last is not None:
+                files.attempt("metrics.jsonl", lambda: self.metrics.log(last))
         return eval_loss

@@ -24,6 +24,24 @@ def storage_key(t: torch.Tensor) -> int:
     return t.untyped_storage()._cdata
 
 
+def is_element_state(v, like: "torch.Tensor | None" = None) -> bool:
+    """Whether an optimizer state value holds one number per element of its parameter (Adam's
+    moments, a momentum buffer) rather than a scalar (Adam's step counter); with `like`, of that
+    parameter's shape exactly."""
+    return isinstance(v, torch.Tensor) and v.ndim > 0 and (like is None or v.shape == like.shape)
+
+
+def element_states(optimizer: torch.optim.Optimizer):
+    """Every per-element state tensor of an optimizer (is_element_state)."""
+    return (v for state in optimizer.state.values() for v in state.values() if is_element_state(v))
+
+
+def on_host(bytes_by_category: dict[str, int], placement: dict[str, str]) -> int:
+    """Bytes of the categories a strategy keeps in host memory (its Traits.placement says "host"):
+    what does not count against the device's memory."""
+    return sum(v for c, v in bytes_by_category.items() if placement.get(c, "device") == "host")
+
+
 class StorageCounter:
     """Sums storage bytes over categories, never counting one storage twice."""
 
@@ -43,8 +61,7 @@ class StorageCounter:
         return self
 
     def add_optimizer(self, optimizer: torch.optim.Optimizer) -> "StorageCounter":
-        return self.add("optim_state", (v for state in optimizer.state.values() for v in state.values()
-                                        if isinstance(v, torch.Tensor) and v.ndim > 0))  # skip scalar step counters
+        return self.add("optim_state", element_states(optimizer))
 
     def result(self) -> dict[str, int]:
         out = dict(self.bytes)

@@ -36,7 +36,7 @@ class Term:
 
 @dataclass
 class Prediction:
-    strategy: str  # the strategy's label (MemoryModel.memory_identity): its name, or name-<stage>
+    strategy: str  # the strategy's label (Strategy.memory_identity): its name, or name-<stage>
     precision: str
     optim: str
     world: int
@@ -46,7 +46,7 @@ class Prediction:
     terms: list = field(default_factory=list)
     notes: list = field(default_factory=list)
     why: str = ""  # why this implementation differs from the ZeRO paper's formula (set by its builder)
-    stage: int = 0  # the ZeRO stage whose formula it is held against (MemoryModel.memory_identity)
+    stage: int = 0  # the ZeRO stage whose formula it is held against (Strategy.memory_identity)
     explain_always: bool = False  # print `why` even where the figures equal the paper's (a formula says so)
 
     def add(self, category: str, nbytes: float, what: str, when: str = "backward") -> None:

@@ -13,7 +13,7 @@ from zerolab.memory.paper import (format_paper, gb_figure, paper_bytes, paper_fo
 from zerolab.memory.prediction import predict, predicted_strategies, prediction_dict
 from zerolab.memory.shapes import load_model_config, optimizer_state_elements, shape_from_model_config
 from zerolab.precision import COMPUTE_BYTES
-from zerolab.strategies import memory_model
+from zerolab.strategies import strategy_class
 
 
 def _num(x: float) -> str:
@@ -56,12 +56,12 @@ def format_table(pred: Prediction, reference: Prediction | None = None) -> str:
 
 def sweep_predictions(shape: ModelShape, worlds: list[int], precision: str, optim: str, bucket_mb: float = 25.0,
                       state_elements: float | None = None) -> dict[str, list[Prediction]]:
-    """Rank 0's prediction for each strategy (each of its MemoryModel.sweep_stages) at each world
+    """Rank 0's prediction for each strategy (each of its Traits.sweep_stages) at each world
     size, in the registry's order; strategies that cannot run `precision` are left out."""
     k = optimizer_state_elements(optim) if state_elements is None else state_elements
     out = {}
     for strategy in predicted_strategies():
-        for stage in memory_model(strategy).sweep_stages:
+        for stage in strategy_class(strategy).traits.sweep_stages:
             try:
                 row = [predict(shape, strategy, w, precision, optim, stage=stage, bucket_mb=bucket_mb,
                                state_elements=k) for w in worlds]
@@ -172,8 +172,8 @@ def _one(args, shape: ModelShape) -> tuple[Prediction, Prediction | None]:
     pred = predict(shape, args.strategy, args.world, args.precision, args.optim, stage=args.stage,
                    bucket_mb=args.bucket_mb, rank=args.rank)
     reference = None
-    if memory_model(args.strategy).memory_reference is not None:
-        other, stage = memory_model(args.strategy).memory_reference
+    if strategy_class(args.strategy).traits.memory_reference is not None:
+        other, stage = strategy_class(args.strategy).traits.memory_reference
         try:
             reference = predict(shape, other, args.world, args.precision, args.optim, stage=stage,
                                 bucket_mb=args.bucket_mb, state_elements=pred.state_elements, rank=args.rank)

@@ -4,20 +4,21 @@ activations (peak_for_run) held against the trainer's accounting of them (check_
 rank's process-level figures."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 from zerolab.memory.peak import PEAK_WARN_RATIO, Peak, predicted_peak
 from zerolab.accounting import CATEGORIES, MODEL_STATES, Prediction
 from zerolab.memory.prediction import predict, prediction_dict
 from zerolab.memory.shapes import optimizer_state_elements, shape_from_model, shape_from_model_config
-from zerolab.strategies import memory_model
+from zerolab.strategies import strategy_class
 
 log = logging.getLogger("zerolab.memory")  # the name users filter the ledger's warnings by
 
 WARN_RATIO = 1.10  # measured above predicted by more than 10% gets a warning
 
 
-def ledger_for_run(cfg, world_size: int, model=None) -> list[Prediction] | None:
+def ledger_for_run(cfg, world_size: int, model=None, ranks_per_node: int | None = None) -> list[Prediction] | None:
     """The prediction for this run's model (the module about to be trained, else cfg.model built on
     the meta device), strategy, precision and optimizer, one per rank; None (with the reason
     logged) where the ledger has no model of the strategy or optimizer."""
@@ -26,10 +27,12 @@ def ledger_for_run(cfg, world_size: int, model=None) -> list[Prediction] | None:
         shape = shape_from_model(model, cfg.optim.weight_decay, cfg.model.name) if model is not None \
             else shape_from_model_config(cfg.model, cfg.optim.weight_decay)
         k = optimizer_state_elements(cfg.optim.name)
+        settings = {f.name: getattr(s, f.name) for f in dataclasses.fields(s)}
         one = lambda r: predict(shape, s.name, world_size, cfg.precision.name, cfg.optim.name, stage=s.stage,
-                                bucket_mb=s.bucket_mb, reduce_dtype=s.reduce_dtype, state_elements=k, rank=r)
+                                bucket_mb=s.bucket_mb, reduce_dtype=s.reduce_dtype, state_elements=k, rank=r,
+                                ranks_per_node=ranks_per_node, settings=settings)
         first = one(0)  # an unknown strategy fails here, as a ValueError
-        if memory_model(s.name).uneven_memory:  # ranks hold different amounts
+        if strategy_class(s.name).traits.uneven_memory:  # ranks hold different amounts
             return [first] + [one(r) for r in range(1, world_size)]
         return [first] * world_size
     except (ValueError, NotImplementedError) as e:

@@ -79,7 +79,7 @@ def gb_figure(v: float) -> str:
 
 def format_paper(pred: Prediction, reference: Prediction | None = None) -> list[str]:
     """The block under a single prediction: the paper's formula and figure, this strategy's, and
-    `reference`'s, another implementation of the same stage (MemoryModel.memory_reference).
+    `reference`'s, another implementation of the same stage (Traits.memory_reference).
     Figures of 1 GB and up are rounded as the paper's Figure 1 prints them; the differences are
     exact."""
     fig = lambda v: f"{gb_figure(v)} GB" if v >= GB else human_bytes(v)

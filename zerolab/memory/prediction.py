@@ -1,8 +1,8 @@
 """The predicted side of the ledger: what a strategy should hold per rank, term by term.
 
-`predict` names no strategy: it asks the strategy registry (zerolab.strategies.memory_model)
+`predict` names no strategy: it asks the strategy registry (zerolab.strategies.strategy_class)
 for the class that implements the strategy, and that class's `predict_memory` adds the terms
-(zerolab.strategies.memory_protocol.MemoryModel). Prediction and its terms
+(Strategy.predict_memory). Prediction and its terms
 live in zerolab/accounting/terms.py, below the strategies that fill them in.
 """
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 from zerolab.accounting import ModelShape, Prediction
 from zerolab.memory.shapes import optimizer_state_elements
 from zerolab.precision import COMPUTE_BYTES
-from zerolab.strategies import KNOWN, memory_model
+from zerolab.strategies import REGISTRY, strategy_class
 
 def prediction_dict(pred: Prediction) -> dict:
     """A prediction as JSON values, with the ZeRO paper's figure beside it."""
@@ -28,27 +28,31 @@ def prediction_dict(pred: Prediction) -> dict:
 
 def predicted_strategies() -> list[str]:
     """Every strategy the ledger can be asked about, in the order the CLI lists them."""
-    return list(KNOWN)
+    return list(REGISTRY)
 
 
 def predict(shape: ModelShape, strategy: str, world: int = 1, precision: str = "bf16", optim: str = "adamw",
             stage: int = 0, bucket_mb: float = 25.0, state_elements: float | None = None,
-            reduce_dtype: str = "auto", rank: int = 0) -> Prediction:
+            reduce_dtype: str = "auto", rank: int = 0, ranks_per_node: int | None = None,
+            settings: dict | None = None) -> Prediction:
     """Predicted bytes on one rank. `state_elements` overrides the measured optimizer state
-    (elements per parameter), e.g. for tests of the formulas."""
+    (elements per parameter), e.g. for tests of the formulas; `ranks_per_node` (default: all on
+    one node) lays the ranks out in nodes; `settings`: the run's whole strategy section as a dict,
+    for settings the keywords do not carry (a library's own config overrides)."""
     if world < 1:
         raise ValueError(f"--world must be >= 1, got {world}")
     if precision not in COMPUTE_BYTES:
         raise ValueError(f"unknown precision {precision!r}; known: {', '.join(COMPUTE_BYTES)}")
     try:
-        model = memory_model(strategy)
+        model = strategy_class(strategy)
     except KeyError as e:
         raise ValueError(e.args[0]) from None
     label, zero_stage = model.memory_identity(stage)  # raises ValueError for a stage the strategy lacks
     k = optimizer_state_elements(optim) if state_elements is None else float(state_elements)
     pred = Prediction(label, precision, optim, world, shape.name, shape.n_params, k, stage=zero_stage)
     model.predict_memory(pred, shape, world=world, precision=precision, k=k, stage=stage, bucket_mb=bucket_mb,
-                         reduce_dtype=reduce_dtype, rank=rank)
+                         reduce_dtype=reduce_dtype, rank=rank, ranks_per_node=ranks_per_node or world,
+                         settings=settings or {})
     return pred
 
 

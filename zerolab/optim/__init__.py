@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from zerolab.accounting import element_states
 from zerolab.schema import OPTIMIZERS, OptimConfig
 from zerolab.optim.adamw import Adam, AdamW
 from zerolab.optim.base import ZerolabOptimizer
@@ -60,8 +61,7 @@ def build_optimizer(cfg: OptimConfig, param_groups: list[dict]) -> ZerolabOptimi
 @torch.no_grad()
 def _count_state(optimizer: torch.optim.Optimizer) -> int:
     """Elements of per-element state (scalar step counters are not per-parameter state)."""
-    return sum(v.numel() for s in optimizer.state.values() for v in s.values()
-               if isinstance(v, torch.Tensor) and v.ndim > 0)
+    return sum(v.numel() for v in element_states(optimizer))
 
 
 def measure_state(cfg: OptimConfig, param_groups: list[dict], loss_fn=None) -> tuple[int, int, int]:
@@ -74,8 +74,7 @@ def measure_state(cfg: OptimConfig, param_groups: list[dict], loss_fn=None) -> t
     else:
         loss_fn().backward()
     opt.step()
-    nbytes = sum(v.numel() * v.element_size() for s in opt.state.values() for v in s.values()
-                 if isinstance(v, torch.Tensor) and v.ndim > 0)
+    nbytes = sum(v.numel() * v.element_size() for v in element_states(opt))
     return _count_state(opt), nbytes, sum(p.numel() for p in params)
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from zerolab.accounting import ActivationMeter, process_memory
+from zerolab.accounting import ActivationMeter, on_host, process_memory
 from zerolab.activations import predict_activations
 from zerolab.memory import check_against, check_peak, ledger_for_run, peak_for_run, peak_keys, peak_of, \
     process_summary, recompute_bytes
@@ -23,7 +23,7 @@ class MemoryMonitor:
     def __init__(self, cfg, ctx, model: torch.nn.Module):
         """`model`: the module about to be trained, before the strategy wraps or shards it."""
         self.ctx, world = ctx, ctx.world_size
-        self.predicted = ledger_for_run(cfg, world, model)  # model states per rank, or None
+        self.predicted = ledger_for_run(cfg, world, model, ctx.topology.per_node)  # model states per rank, or None
         # The activations are predicted for zerolab's own models only (zerolab.activations).
         act = predict_activations(cfg.model, cfg.data.micro_batch, precision=cfg.precision.name,
                                   device=ctx.device.type) if isinstance(model, tuple(MODELS.values())) else None
@@ -39,7 +39,7 @@ class MemoryMonitor:
         self.strategy = strategy
 
     def begin_step(self, logged: bool) -> None:
-        self.strategy.reset_transient_peak()
+        self.strategy.transient.reset()
         if logged and self.ctx.device.type == "cuda":  # CUDA: the allocator's peak of this step (untested here)
             torch.cuda.reset_peak_memory_stats(self.ctx.device)
 
@@ -47,25 +47,32 @@ class MemoryMonitor:
         """Counts the bytes a forward saves for backward; costs nothing when not enabled."""
         return ActivationMeter(model, enabled=enabled)
 
-    def measured(self, meter: ActivationMeter, logits: torch.Tensor) -> None:
+    def measured(self, meter: ActivationMeter, logits_numel: int) -> None:
         if meter.enabled:
-            self.activations, self.logits_numel = meter.bytes, logits.numel()
+            self.activations, self.logits_numel = meter.bytes, logits_numel
 
     def rank_figures(self, comm: dict) -> dict:
         """This rank's memory and communication figures, to be gathered on rank 0."""
-        out = {f"mem/{k}_bytes": v for k, v in self.strategy.memory().items()}
+        held = self.strategy.memory()
+        out = {f"mem/{k}_bytes": v for k, v in held.items()}
+        host = on_host(held, self.strategy.traits.placement)
+        if host:  # a strategy that keeps part of its state in host memory (Traits.placement)
+            out["mem/host_bytes"] = host
         out["mem/activations_bytes"] = self.activations  # zerolab.accounting.ActivationMeter
         out.update(self._peak(out))
         out.update(process_memory(self.ctx.device))
         out["comm_bytes"] = comm.get("total", 0.0)
+        for link in ("inside", "across"):  # a job that spans nodes (zerolab.comm)
+            if f"link/{link}" in comm:
+                out[f"comm_{link}_bytes"] = comm[f"link/{link}"]
         return out
 
     def _peak(self, figures: dict) -> dict:
         """This step's peak by zerolab's accounting: the model states memory() measured, the
         activations the meter measured, and the transients: the loss's logits buffers (8 bytes ×
         the logits' measured numel), one recomputed block with checkpointing (formula) and what the
-        strategy recorded (transient_peak_bytes)."""
-        tp = self.strategy.transient_peak_bytes()
+        strategy recorded (Strategy.transient)."""
+        tp = self.strategy.transient.peak()
         states = {k[len("mem/"):-len("_bytes")]: v for k, v in figures.items() if k.startswith("mem/")}
         backward = LOGIT_BUFFER_BYTES * self.logits_numel + self.recompute + tp.get("backward", 0)
         pk = peak_of(states, self.activations, backward, tp.get("step", 0))

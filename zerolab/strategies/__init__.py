@@ -1,12 +1,13 @@
 """Strategy registry: config name -> implementation, imported only when chosen (so a missing
-optional dependency such as DeepSpeed only matters to the runs that use it)."""
+optional dependency such as DeepSpeed only matters to the runs that use it). Everything outside
+strategies/ that lists strategies asks here (the `make run` default, the memory CLI, tests)."""
 from __future__ import annotations
 
 import importlib
 
 # Every strategy zerolab knows, in the order `python -m zerolab memory` lists them (its --strategy
 # choices and its --sweep-world rows): "module:Class" of its implementation, which also predicts
-# its memory (zerolab.strategies.memory_protocol).
+# its memory (Strategy.predict_memory).
 REGISTRY: dict[str, str] = {
     "ddp": "zerolab.strategies.ddp:DDPStrategy",
     "zero1": "zerolab.strategies.zero:Zero1Strategy",
@@ -16,7 +17,6 @@ REGISTRY: dict[str, str] = {
     "fsdp": "zerolab.strategies.fsdp:FSDPStrategy",
     "torch_zero": "zerolab.strategies.torch_zero:TorchZeroStrategy",
 }
-KNOWN = REGISTRY  # the name the memory code reads it by
 
 
 def _load(path: str):
@@ -30,19 +30,16 @@ def strategy_class(name: str):
     return _load(REGISTRY[name])
 
 
-def memory_model(name: str):
-    """The class whose `predict_memory` (zerolab.strategies.memory_model.MemoryModel) predicts
-    strategy `name`'s bytes per rank; a runnable strategy predicts itself."""
-    if name not in KNOWN:
-        raise KeyError(f"no memory model for strategy {name!r}; known: {', '.join(KNOWN)}")
-    return _load(KNOWN[name])
+def _declared(cls, key: str):
+    """A strategy class's declaration `key`: a field of its traits, else a class attribute."""
+    return getattr(cls.traits, key) if hasattr(cls.traits, key) else getattr(cls, key)
 
 
-def names_where(**attributes) -> list[str]:
-    """Registered strategy names whose class has every given class attribute value, in registry
-    order, e.g. names_where(checkpoint_format="pieces"). Imports every strategy module (none of
-    them imports an optional dependency at module level)."""
-    return [n for n in REGISTRY if all(getattr(strategy_class(n), k) == v for k, v in attributes.items())]
+def names_where(**declared) -> list[str]:
+    """Registered strategy names whose class declares every given value, in registry order, e.g.
+    names_where(checkpoint_format="pieces") or names_where(zerolab_sharder=True) (a Traits field).
+    Imports every strategy module (none of them imports an optional dependency at module level)."""
+    return [n for n in REGISTRY if all(_declared(strategy_class(n), k) == v for k, v in declared.items())]
 
 
 def all_names() -> str:

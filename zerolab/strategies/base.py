@@ -2,33 +2,69 @@
 
 The trainer never asks which strategy it runs. A strategy wraps the model, owns the optimizer
 (it decides what the optimizer sees: model params, an fp32 master copy, or flat shards), runs
-backward and the step, and reports its memory by category and its communication volume.
+backward and the step, and reports the memory it holds and the bytes it communicates.
+
+A strategy is a small core plus what it declares (docs/writing-a-strategy.md lists both):
+
+  declared   name, traits (what it is: Traits below), checkpoint_format
+  required   setup, step, memory, consolidated_state_dict
+  optional   backward, no_sync, close, restore_step, settle; checkpoint_state and
+             load_checkpoint_state for checkpoint_format "pieces" (a "native" one also mixes in
+             strategies/native.py's NativeCheckpoint)
+  classes    check_config, reads, label, known_cause, predict_memory, memory_identity
+
+The arithmetic of the step (the global norm, unscale, clip, skip) is zerolab/numerics.py's; a
+strategy hands its fp32 gradients to `_update` and gets a StepInfo back.
 """
 from __future__ import annotations
 
 import abc
-import logging
+import dataclasses
 import math
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import Callable, ContextManager, Optional
+from typing import Callable, ContextManager, Mapping, Optional
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from zerolab import numerics
+from zerolab.accounting import CATEGORIES
 from zerolab.comm import CommCounter
-from zerolab.schema import Config
 from zerolab.dist import DistContext
-from zerolab.errors import ConfigError, ZerolabError
-from zerolab.precision import Precision, clip_coefficient, grad_norm_sq
-from zerolab.strategies.memory_protocol import MemoryModel
+from zerolab.errors import ConfigError
+from zerolab.numerics import StepInfo
+from zerolab.precision import Precision
+from zerolab.schema import Config, StrategySettings, settings_for
 from zerolab.strategies.transient import TransientPeak
 
-_log = logging.getLogger("zerolab")
-
 OptimizerFactory = Callable[[list[dict]], torch.optim.Optimizer]
+# Settings outside the strategy section that a strategy running zerolab's step honours: what
+# `_update` reads (trainer.nonfinite) and what zerolab's optimizers take (their kernel, per-layer
+# statistics). A strategy that steps another library's optimizer declares fewer.
+ZEROLAB_STEP_SETTINGS = frozenset({"trainer.nonfinite", "optim.impl", "logging.layer_stats_every"})
+ON_DEVICE = {c: "device" for c in CATEGORIES}
+
+
+@dataclass(frozen=True)
+class Traits:
+    """What a strategy is, read from its class without building one."""
+    settings: type = StrategySettings  # its schema dataclass (zerolab/schema.py): the strategy.* keys it reads
+    also_reads: frozenset = ZEROLAB_STEP_SETTINGS  # settings outside its section it honours
+    stage: int = 0  # the ZeRO stage it implements (Rajbhandari et al. 2019): 0 plain DP, 1 P_os, 2 +g, 3 +p
+    reference: bool = False  # the one strategy the others are compared against (exactly one)
+    zerolab_sharder: bool = False  # zerolab's own ZeRO (bench/zero.py times these by default)
+    sharded_grads: bool = False  # each rank holds only part of the gradient: the norm is all-reduced
+    needs_blocks: bool = False  # a model without repeated blocks is refused before any rank trains
+    rehearsable: str = ""  # "" when `python -m zerolab dry-run` can run it on fake tensors; else why not
+    uneven_memory: bool = False  # ranks hold different amounts: the ledger predicts every rank
+    sweep_stages: tuple = (0,)  # strategy.stage values `memory --sweep-world` gives a row; () none
+    memory_reference: Optional[tuple] = None  # (strategy, stage) of another implementation, shown beside
+    # where each memory category lives (zerolab.accounting.CATEGORIES -> "device" | "host"): what
+    # counts against a device's memory (an optimizer-state offload would say "host")
+    placement: Mapping[str, str] = field(default_factory=lambda: dict(ON_DEVICE))
 
 
 @dataclass
@@ -39,75 +75,40 @@ class ShardPiece:
     shape: tuple  # shape of the full tensor
 
 
-class NonFiniteGradient(ZerolabError):
-    """trainer.nonfinite=stop: the global gradient norm is not finite. Every rank sees the same
-    all-reduced norm and raises together, so rank 0 alone reports it (and no rank is blamed as
-    having stopped: nothing stopped, the numbers did)."""
-
-    same_on_every_rank = True
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    """Every group's lr, scaled by its own lr_scale (zerolab.optim's per-group factor)."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr * group.get("lr_scale", 1.0)
 
 
-@dataclass
-class StepInfo:
-    # Global L2 norm of the (unscaled) gradient, before and after clipping: floats, or 0-dim
-    # device tensors on steps decided on the device (read them on logged steps only).
-    grad_norm: float
-    grad_norm_clipped: float
-    # True when the update was skipped (overflow / non-finite); a 0-dim device bool on steps
-    # decided on the device (read it on logged steps only).
-    skipped: bool = False
-    extra: dict = field(default_factory=dict)  # strategy- or optimizer-specific metrics
-
-    @property
-    def known_skipped(self) -> bool:
-        """Whether the host knows the update was skipped. A device-decided step may have updated,
-        so whatever follows an update (refreshing the model's weights) runs: after a skip it
-        rewrites the same values."""
-        return self.skipped is True
+def larger_of(before: dict[str, int], now: dict[str, int]) -> dict[str, int]:
+    """Bytes by category, the larger of two moments: for strategies that free gradients inside
+    their step (FSDP2, DeepSpeed), what existed just before the last update against now."""
+    return {k: max(v, before.get(k, 0)) for k, v in now.items()}
 
 
-class Strategy(MemoryModel, TransientPeak, abc.ABC):  # predict_memory; transient bytes it records while running
-    """What a strategy is (class attributes, read without building one) and what it does (methods)."""
+class Strategy(abc.ABC):
     name: str = "?"
-    sharded_grads: bool = False  # True when each rank holds only part of the gradient
-    # The strategy the others are compared against (report baseline; an imported checkpoint is
-    # recorded as written by it on one rank). Exactly one registered strategy sets it.
-    reference: bool = False
-    # zerolab's own ZeRO implementation (as opposed to a borrowed library's): bench/zero.py times
-    # these against the reference by default.
-    zerolab_sharder: bool = False
-    # Settings (dotted config keys) this strategy reads among those whose schema field says the
-    # strategy decides (schema.setting(applies=BY_STRATEGY): every strategy.* key but `name`, and a
-    # few more). Validation warns when one it does not read is set away from its default
-    # (zerolab.config.unused_settings). The base reads what unscale_clip_update honours and what
-    # zerolab's own optimizers take (their kernel, the per-layer statistics they record).
-    uses: frozenset = frozenset({"trainer.nonfinite", "optim.impl", "logging.layer_stats_every"})
-    # How it checkpoints:
-    #   "pieces": zerolab's name-keyed, reshardable pieces (checkpoint_state / load_checkpoint_state);
-    #             a checkpoint of N ranks of one such strategy loads into M ranks of any other.
-    #   "native": its own files (save_native / native_meta / load_native, and the classmethods
-    #             native_meta_problem / check_native_compatible / native_weights, plus
-    #             checkpoint_globals for its torch.save files); loads only into itself.
-    #   "none":   cannot checkpoint (checkpoint.every is refused by check_config; a preempted run stops
-    #             without a checkpoint).
+    traits: Traits = Traits()
+    # How it checkpoints: "pieces" (zerolab's name-keyed, reshardable pieces: checkpoint_state /
+    # load_checkpoint_state; N ranks of one such strategy load into M ranks of any other),
+    # "native" (its own files: strategies/native.py's NativeCheckpoint; loads only into itself),
+    # "none" (checkpoint.every is refused; a preempted run stops without one).
     checkpoint_format: str = "none"
-    checkpoint_globals: tuple = ()  # "native": pickle globals its torch.save files may name
 
     def __init__(self, cfg: Config, ctx: DistContext, precision: Precision):
         self.cfg, self.ctx, self.precision = cfg, ctx, precision
-        self.comm = CommCounter(ctx.world_size)
+        self.settings = settings_for(cfg.strategy, self.traits.settings)  # this strategy's own section
+        self.comm = CommCounter(ctx.topology)
+        self.transient = TransientPeak()  # buffers alive during part of the step (CPU peak accounting)
         self.optimizer: Optional[torch.optim.Optimizer] = None
         self.step_count = 0  # optimizer steps taken (skipped ones included); restore_step sets it on resume
-        self._device_pending: Optional[dict[str, torch.Tensor]] = None  # what settle() reads (_pending)
+        self._pending: Optional[numerics.Pending] = None  # what device-decided steps leave for settle()
 
-    # ---- protocol -------------------------------------------------------------------------
+    # ---- the core ---------------------------------------------------------------------------
     @abc.abstractmethod
     def setup(self, model: nn.Module, param_groups: list[dict], make_optimizer: OptimizerFactory) -> nn.Module:
         """Place and wrap the model, build the optimizer; returns the module to call forward on."""
-
-    def close(self) -> None:
-        """Undo whatever setup changed outside this object (process-wide patches); the trainer
-        calls it once when the run ends, successfully or not."""
 
     def no_sync(self) -> ContextManager:
         """Context for micro-batches that must not communicate (gradient accumulation)."""
@@ -128,23 +129,55 @@ class Strategy(MemoryModel, TransientPeak, abc.ABC):  # predict_memory; transien
 
     @abc.abstractmethod
     def memory(self) -> dict[str, int]:
-        """Bytes on this rank by category (zerolab.memory.CATEGORIES)."""
+        """Bytes on this rank by category (zerolab.accounting.CATEGORIES)."""
 
     @abc.abstractmethod
     def consolidated_state_dict(self) -> Optional[dict[str, torch.Tensor]]:
         """Full fp32 weights keyed like model.state_dict() on rank 0 (None elsewhere).
         Collective: every rank must call it."""
 
+    def close(self) -> None:
+        """Undo whatever setup changed outside this object (process-wide patches); the trainer
+        calls it once when the run ends, successfully or not."""
+
     def restore_step(self, step: int) -> None:
         """Resume: `step` optimizer steps were taken before this run (the loss scaler's growth
         schedule and the step named in messages count from it). Called after the state is loaded."""
         self.step_count = step
 
-    # ---- settings and reports ----------------------------------------------------------------
+    def settle(self) -> None:
+        """Say what steps decided on the device left pending (numerics.Pending.settle): a
+        non-finite norm that stops the run, skipped updates, a loss-scale underflow. The trainer's
+        logged steps and zerolab.checkpoint call it, so a non-finite weight is never saved or logged."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.settle(self.precision.scaler, self._skips(), self.step_count - 1)
+
+    # ---- checkpoints, format "pieces" ------------------------------------------------------------
+    # A rank's checkpoint state is a set of pieces "<kind>/<param name>" -> ShardPiece, where kind
+    # is "master" (fp32 weights; the weights themselves for fp32 strategies) or an optimizer state
+    # name ("exp_avg", "exp_avg_sq", "momentum_buffer", ...). A piece is a 1-D slice [start, end)
+    # of the flattened tensor. Loading asks for exactly the ranges this rank now owns, so a
+    # checkpoint written by N ranks of one strategy loads into M ranks of another.
+    def checkpoint_state(self) -> dict[str, ShardPiece]:
+        raise NotImplementedError(f"strategy {self.name} does not write the pieces format")
+
+    def load_checkpoint_state(self, read: "Callable[[str, int, int], torch.Tensor]") -> None:
+        """`read(key, start, end)` returns elements [start, end) of the flattened tensor `key`.
+        `read` is a zerolab.checkpoint.PieceReader: `read.kinds(name)` also lists the optimizer-state
+        kinds saved for parameter `name`, for optimizers that create their state lazily (torch's).
+        The optimizer's scalar state (Adam's `step`), the loss scaler and RNG are restored by
+        zerolab.checkpoint after this returns, then restore_step; strategies load tensors only."""
+        raise NotImplementedError(f"strategy {self.name} does not read the pieces format")
+
+    # ---- what the class says without an instance ------------------------------------------------
     @classmethod
     def reads(cls, key: str, cfg: Config) -> bool:
-        """Whether this strategy reads setting `key` under `cfg` (default: it is in `uses`)."""
-        return key in cls.uses
+        """Whether this strategy reads setting `key` under `cfg`: a field of its settings
+        dataclass, or one of traits.also_reads."""
+        if key.startswith("strategy."):
+            return key[len("strategy."):] in {f.name for f in dataclasses.fields(cls.traits.settings)}
+        return key in cls.traits.also_reads
 
     @classmethod
     def check_config(cls, cfg: Config, world_size: int) -> None:
@@ -169,125 +202,79 @@ class Strategy(MemoryModel, TransientPeak, abc.ABC):  # predict_memory; transien
         from the reference's; '' when this strategy knows none."""
         return ""
 
-    # ---- checkpoints, format "pieces" (name-keyed, reshardable) ---------------------------------
-    # A rank's checkpoint state is a set of pieces "<kind>/<param name>" -> ShardPiece, where kind
-    # is "master" (fp32 weights; the weights themselves for fp32 strategies) or an optimizer state
-    # name ("exp_avg", "exp_avg_sq", "momentum_buffer", ...). A piece is a 1-D slice [start, end)
-    # of the flattened tensor. Loading asks for exactly the ranges this rank now owns, so a
-    # checkpoint written by N ranks of one strategy loads into M ranks of another.
-    def checkpoint_state(self) -> dict[str, "ShardPiece"]:
-        raise NotImplementedError(f"strategy {self.name} does not write the pieces format")
-
-    def load_checkpoint_state(self, read: "Callable[[str, int, int], torch.Tensor]") -> None:
-        """`read(key, start, end)` returns elements [start, end) of the flattened tensor `key`.
-        `read` is a zerolab.checkpoint.PieceReader: `read.kinds(name)` also lists the optimizer-state
-        kinds saved for parameter `name`, for optimizers that create their state lazily (torch's).
-        The optimizer's scalar state (Adam's `step`), the loss scaler and RNG are restored by
-        zerolab.checkpoint after this returns, then restore_step; strategies load tensors only."""
-        raise NotImplementedError(f"strategy {self.name} does not read the pieces format")
-
-    # ---- checkpoints, format "native" (the strategy's own files) --------------------------------
-    def save_native(self, directory: str) -> None:
-        """Collective: write this strategy's own checkpoint files under `directory` (the save's
-        temporary directory; zerolab records, checksums and publishes every file found there,
-        beside its own meta.json and rank*.safetensors)."""
-        raise NotImplementedError(f"strategy {self.name} has no native checkpoint format")
-
-    def native_meta(self) -> dict:
-        """Rank 0, after save_native: what load_native and the classmethods below need, stored
-        as meta.json's "native" record (JSON values)."""
-        raise NotImplementedError(f"strategy {self.name} has no native checkpoint format")
-
-    def load_native(self, path: str, meta: dict) -> None:
-        """Collective: restore weights, optimizer state and loss scaler from the checkpoint at
-        `path` (meta: its verified meta.json, the record under meta["native"]). Open torch.save
-        files only inside zerolab.checkpoint.safe_torch_load(self.checkpoint_globals)."""
-        raise NotImplementedError(f"strategy {self.name} has no native checkpoint format")
+    @classmethod
+    def predict_memory(cls, pred, shape, *, world: int, precision: str, k: float, stage: int, bucket_mb: float,
+                       reduce_dtype: str, rank: int, ranks_per_node: int, settings: dict) -> None:
+        """Add this strategy's bytes on rank `rank` of `world` to `pred` (zerolab.accounting's
+        Prediction), term by term, each with the sentence that says where it comes from:
+        pred.add(category, bytes, what), category one of zerolab.accounting.CATEGORIES or
+        "transient" (alive during part of the step only, not in the total). Set pred.why to why the
+        figures differ from the ZeRO paper's, and add notes. `shape`: the model's tensors
+        (zerolab.accounting.ModelShape); `k`: optimizer-state elements per parameter; `stage`,
+        `bucket_mb`, `reduce_dtype`: the run's strategy.* settings, `settings` all of them as a dict
+        ({} outside a run: the schema's defaults); `ranks_per_node`: the ranks' layout in nodes
+        (zerolab.topology). Every keyword is always passed;
+        take the ones you use and `**_` for the rest. Raise zerolab.accounting.NotPredicted for
+        settings the strategy cannot run, ValueError for other bad input."""
+        raise NotImplementedError(f"strategy {cls.name} has no memory model (Strategy.predict_memory)")
 
     @classmethod
-    def native_meta_problem(cls, native) -> Optional[str]:
-        """What a valid "native" record looks like, when `native` is not one; None when it is."""
-        return None
+    def memory_identity(cls, stage: int) -> tuple[str, int]:
+        """(label, ZeRO stage) of the ledger's prediction for strategy.stage=`stage`; a ValueError
+        naming the fix where the strategy has no such stage."""
+        return cls.name, cls.traits.stage
 
-    @classmethod
-    def check_native_compatible(cls, meta: dict, path: str, cfg: Config, world_size: int) -> None:
-        """Raise zerolab.checkpoint.CheckpointError (naming what to do instead) unless this run's
-        config and world size can load the native checkpoint `meta` describes."""
-
-    @classmethod
-    def native_weights(cls, path: str, meta: dict) -> dict[str, Callable[[], torch.Tensor]]:
-        """Export: parameter name -> a function returning its full weights (any float dtype, any
-        shape with the right element count), called one at a time inside safe_torch_load."""
-        raise NotImplementedError(f"strategy {cls.name} has no native checkpoint format")
-
-    # ---- shared helpers --------------------------------------------------------------------
-    def set_lr(self, lr: float) -> None:
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr * group.get("lr_scale", 1.0)
-
-    def unscale_clip_update(self, grads: list[torch.Tensor], stats_level: int = 0) -> StepInfo:
-        """The part of a step every strategy shares, given this rank's fp32 gradients (whole
-        tensors or shards; `sharded_grads` says which): global norm from local sums of squares
-        (one all-reduce when sharded), overflow check agreed by all ranks, one multiply that
-        unscales and clips, then the optimizer update unless the step must be skipped.
-
-        A step that is not logged (stats_level 0) decides all of this on the device when it can
-        (_decides_on_device): nothing is read on the host, and what the host would have said (a
-        non-finite norm that stops the run, skipped updates, a loss-scale underflow) is said by
-        settle() at the next logged step or checkpoint. Logged steps decide on the host (they read
-        the loss anyway) and name the non-finite tensor."""
+    # ---- the step's arithmetic, applied (zerolab/numerics.py) ------------------------------------
+    def _update(self, grads: list[torch.Tensor], stats_level: int = 0) -> StepInfo:
+        """Given this rank's fp32 gradients (whole tensors or shards: traits.sharded_grads), the
+        global norm from local sums of squares (one all-reduce when sharded), then one multiply
+        that unscales and clips, then the update unless it must be skipped. An unlogged step
+        (stats_level 0) decides on the device when it can (_decides_on_device); a logged one on
+        the host, naming the non-finite tensor."""
         if stats_level:
             self.settle()  # a logged step reads the host anyway
-        sq = grad_norm_sq(grads).to(self.ctx.device)
-        if self.sharded_grads and self.ctx.world_size > 1:
-            self.comm.record("all_reduce", sq)
-            dist.all_reduce(sq)
+        sharded = self.traits.sharded_grads and self.ctx.world_size > 1
+        sq = numerics.norm_sq(grads, self.ctx.device, self._all_reduce if sharded else None)
         if not stats_level and self._decides_on_device(grads):
             return self._update_on_device(grads, sq)
         scaler = self.precision.scaler
-        scale = scaler.scale if scaler.enabled else 1.0  # the one backward multiplied by, before update() changes it
-        # torch's sqrt, as the device path takes it (not math.sqrt): on some CPUs its fp64 kernel is
-        # not correctly rounded (one ulp off, measured), and the two paths must report one norm.
-        norm = sq.double().sqrt().item() / scale
-        finite = math.isfinite(norm)
-        scaler.update(found_inf=not finite, step=self.step_count)
-        if not finite:
-            where = self._where(self.step_count)
-            if not scaler.enabled and self.cfg.trainer.nonfinite == "stop":
-                raise NonFiniteGradient(
-                    f"{where}: the gradient norm is {norm} ({self.describe_nonfinite()}); "
-                    "lower the lr, enable clipping (optim.grad_clip) or set trainer.nonfinite=skip")
-            if not scaler.enabled:
-                _log.warning("%s: the gradient norm is %s (%s); skipping the update (trainer.nonfinite=skip)",
-                             where, norm, self.describe_nonfinite())
-            else:
-                _log.info("%s: fp16 gradients overflowed; update skipped, loss scale now %g", where, scaler.scale)
+        decision = numerics.decide_on_host(sq, scaler.scale if scaler.enabled else 1.0, self.cfg.optim.grad_clip)
+        scaler.update(found_inf=not decision.finite, step=self.step_count)
+        if not decision.finite:
+            numerics.refuse_or_skip(decision.norm, scaler, self.cfg.trainer.nonfinite == "stop", self.step_count,
+                                    self._describe_nonfinite())
             self.step_count += 1
-            return StepInfo(grad_norm=norm, grad_norm_clipped=norm, skipped=True)
-        coef = clip_coefficient(norm, self.cfg.optim.grad_clip)
-        multiplier = coef / scale
-        if multiplier != 1.0 and grads:
-            for dtype in {g.dtype for g in grads}:
-                # The multiplier rounded to the gradient's dtype first, then multiplied in fp32 (a
-                # Python float's opmath): the product of two 16-bit numbers is exact in fp32, so this
-                # is the 16-bit multiply the device path does (_update_on_device), bitwise, whatever
-                # kernel the CPU picks for a Python scalar.
-                m = torch.tensor(multiplier, dtype=torch.float64).to(dtype).item()
-                torch._foreach_mul_([g for g in grads if g.dtype == dtype], m)
+            return StepInfo(grad_norm=decision.norm, grad_norm_clipped=decision.norm, skipped=True)
+        numerics.multiply(grads, decision.multiplier)
         extra = self._optimizer_step(stats_level)
         self.step_count += 1
-        return StepInfo(grad_norm=norm, grad_norm_clipped=norm * coef, extra=extra)
+        return StepInfo(grad_norm=decision.norm, grad_norm_clipped=decision.norm * decision.coef, extra=extra)
 
-    # ---- deciding on the device ------------------------------------------------------------------
+    def _update_on_device(self, grads: list[torch.Tensor], sq: torch.Tensor) -> StepInfo:
+        """The host path's decision as 0-dim tensors: a non-finite norm either skips the update on
+        the optimizer's device flag (the loss scale halves on the device), or is noted for settle()."""
+        scaler = self.precision.scaler
+        d = numerics.decide_on_device(sq, scaler.scale_tensor if scaler.enabled else None, self.cfg.optim.grad_clip)
+        if d.multiplier is not None:
+            numerics.multiply(grads, d.multiplier)  # the scale before update() changes it
+        if self._pending is None:
+            self._pending = numerics.Pending(self.ctx.device)
+        skips = self._skips()
+        self._pending.note(d.found, self.step_count, skipped=skips)
+        if skips:
+            scaler.update(d.found, self.step_count)
+        extra = self._optimizer_step(0, d.found if skips else None)
+        self.step_count += 1
+        return StepInfo(grad_norm=d.norm, grad_norm_clipped=d.clipped, extra=extra, skipped=d.found if skips else False)
+
     def _skips(self) -> bool:
         """Whether a non-finite norm skips the update (fp16's overflow, trainer.nonfinite=skip)
         rather than stopping the run."""
         return self.precision.scaler.enabled or self.cfg.trainer.nonfinite == "skip"
 
     def _decides_on_device(self, grads: list[torch.Tensor]) -> bool:
-        """Whether this step can be decided without reading the norm on the host: plain tensors
-        (a DTensor gradient cannot be multiplied by a plain device tensor), and, when a non-finite
-        norm must skip the update, an optimizer that can skip on a device flag
+        """Plain tensors (a DTensor gradient cannot be multiplied by a plain device tensor), and,
+        when a non-finite norm must skip the update, an optimizer that can skip on a device flag
         (ZerolabOptimizer.skips_on_device: torch's fused Adam/AdamW/SGD kernels). When the run
         stops on a non-finite norm instead, nothing has to be skipped: the update goes ahead and
         settle() stops the run before its weights are saved or logged."""
@@ -298,79 +285,13 @@ class Strategy(MemoryModel, TransientPeak, abc.ABC):  # predict_memory; transien
         skips = getattr(self.optimizer, "skips_on_device", None)
         return skips is not None and skips()
 
-    def _update_on_device(self, grads: list[torch.Tensor], sq: torch.Tensor) -> StepInfo:
-        """The host path's arithmetic on 0-dim fp64 tensors: the same operations as its sqrt,
-        clip_coefficient and coef/scale on Python floats, so the multiplier, and the gradients it
-        multiplies, are bitwise the host path's on CPU (an exact 1.0 when neither clip nor scale
-        acts; tests/test_device_step.py). On CUDA the two may differ in the last bit of a 16-bit
-        gradient, by how each multiply rounds the multiplier (not measured: no GPU here).
-        A non-finite norm either skips the update on the optimizer's device flag (and the loss
-        scale halves on the device), or, when the run must stop, is noted for settle()."""
-        scaler, max_norm = self.precision.scaler, self.cfg.optim.grad_clip
-        norm = sq.double().sqrt()
-        if scaler.enabled:
-            norm = norm / scaler.scale_tensor
-        found = ~torch.isfinite(norm)
-        clipped = norm
-        if (max_norm > 0 or scaler.enabled) and grads:
-            # full_like: `float / tensor` would run as reciprocal-then-multiply, a different rounding
-            coef = torch.clamp(torch.full_like(norm, max_norm) / (norm + 1e-6), max=1.0) if max_norm > 0 \
-                else torch.ones_like(norm)
-            multiplier = coef / scaler.scale_tensor if scaler.enabled else coef  # the scale before update()
-            # In each gradient's dtype: what _foreach_mul_ with a Python float does with it on CPU
-            # (a 16-bit gradient is multiplied by the 16-bit coefficient), so bitwise the host path.
-            for dtype in {g.dtype for g in grads}:
-                torch._foreach_mul_([g for g in grads if g.dtype == dtype], multiplier.to(dtype))
-            clipped = norm * coef
-        pending = self._pending()
-        pending["first"].masked_fill_(found & (pending["first"] < 0), self.step_count)  # in place, no host read
-        skip = None
-        if self._skips():
-            pending["count"].add_(found.long())
-            scaler.update(found, self.step_count)
-            skip = found
-        extra = self._optimizer_step(0, skip)
-        self.step_count += 1
-        return StepInfo(grad_norm=norm, grad_norm_clipped=clipped, extra=extra, skipped=False if skip is None else skip)
+    def _all_reduce(self, t: torch.Tensor) -> None:
+        self.comm.record("all_reduce", t)
+        dist.all_reduce(t)
 
-    def _pending(self) -> dict[str, torch.Tensor]:
-        """What device-decided steps leave for settle(): the first step whose norm was not finite
-        (-1: none) and how many updates were skipped, as device tensors."""
-        if self._device_pending is None:
-            device = self.ctx.device
-            # torch.tensor: constants to a dry run (zerolab.precision.LossScaler says why)
-            self._device_pending = {"first": torch.tensor(-1, dtype=torch.int64, device=device),
-                                    "count": torch.tensor(0, dtype=torch.int64, device=device)}
-        return self._device_pending
-
-    def settle(self) -> None:
-        """Read what steps decided on the device left pending, and say it as the host path would
-        have: raise NonFiniteGradient (trainer.nonfinite=stop without a loss scale) naming the
-        first step whose gradient norm was not finite; log the updates skipped since the last
-        settle (trainer.nonfinite=skip, fp16 overflows); raise LossScaleUnderflow if an overflow
-        would have taken the loss scale below its minimum. The trainer's logged steps and
-        zerolab.checkpoint call it, so a non-finite weight is never saved or logged."""
-        pending, self._device_pending = self._device_pending, None
-        if pending is None:
-            return
-        first, count = int(pending["first"].item()), int(pending["count"].item())
-        later = (f"(seen at step {self.step_count}: steps that are not logged decide on the device; "
-                 "trainer.log_every=1 decides every step on the host and names the tensor)")
-        if first >= 0 and not self._skips():
-            raise NonFiniteGradient(
-                f"{self._where(first)}: the gradient norm is not finite {later}; lower the lr, enable "
-                "clipping (optim.grad_clip) or set trainer.nonfinite=skip")
-        self.precision.scaler.settle()
-        if count and self.precision.scaler.enabled:
-            _log.info("%d fp16 overflow(s) from %s on: updates skipped, loss scale now %g %s", count,
-                      self._where(first), self.precision.scaler.scale, later)
-        elif count:
-            _log.warning("%d update(s) skipped from %s on: the gradient norm was not finite "
-                         "(trainer.nonfinite=skip) %s", count, self._where(first), later)
-
-    @staticmethod
-    def _where(step: int) -> str:
-        return f"step {step} (0-based, as fault.*_step; \"step\": {step + 1} in metrics.jsonl)"
+    def _describe_nonfinite(self) -> str:
+        """Names the first gradient that is not finite; strategies refine this."""
+        return "a gradient is not finite"
 
     # ---- watching the optimizer ----------------------------------------------------------------
     def _optimizer_step(self, level: int, skip: Optional[torch.Tensor] = None) -> dict:
@@ -378,10 +299,7 @@ class Strategy(MemoryModel, TransientPeak, abc.ABC):  # predict_memory; transien
         flag `skip` is set (only passed to an optimizer whose skips_on_device() said yes)."""
         opt = self.optimizer
         if not level:
-            if skip is None:
-                opt.step()
-            else:
-                opt.step_unless(skip)
+            opt.step() if skip is None else opt.step_unless(skip)
             return {}
         tracks = hasattr(opt, "pop_update_stats")  # zerolab's optimizers; torch's are only timed
         if tracks:
@@ -407,8 +325,7 @@ class Strategy(MemoryModel, TransientPeak, abc.ABC):  # predict_memory; transien
             return {}
         vec = torch.cat([torch.cat([r["update_sq"], r["weight_sq"]]) for r in records]).to(self.ctx.device)
         if any(r["partial"] for r in records) and self.ctx.world_size > 1:
-            self.comm.record("all_reduce", vec)
-            dist.all_reduce(vec)
+            self._all_reduce(vec)
         vec, out, offset = vec.double().cpu(), {}, 0
         upd_total = weight_total = 0.0
         for r in records:
@@ -425,6 +342,3 @@ class Strategy(MemoryModel, TransientPeak, abc.ABC):  # predict_memory; transien
             out["update_ratio"] = math.sqrt(upd_total / weight_total)
         return out
 
-    def describe_nonfinite(self) -> str:
-        """Names the first gradient that is not finite; strategies refine this."""
-        return "a gradient is not finite"

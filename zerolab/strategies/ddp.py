@@ -13,11 +13,13 @@ import torch.nn as nn
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from zerolab.accounting import MIXED, StorageCounter, dtype_name, state_bytes
+from zerolab.accounting import MIXED, StorageCounter, dtype_name, is_element_state, state_bytes
 from zerolab.models import place
 from zerolab.precision import COMPUTE_BYTES
 from zerolab.precision import MasterCopy
-from zerolab.strategies.base import OptimizerFactory, ShardPiece, StepInfo, Strategy
+from zerolab.numerics import StepInfo
+from zerolab.schema import DDPSettings
+from zerolab.strategies.base import OptimizerFactory, ShardPiece, Strategy, Traits, set_lr
 
 
 def _counting_allreduce(state, bucket):
@@ -43,8 +45,8 @@ def _bucket(fut, buffer):
 
 class DDPStrategy(Strategy):
     name = "ddp"
-    reference = True  # nothing sharded: the baseline every other strategy is compared against
-    uses = Strategy.uses | {"strategy.bucket_mb", "strategy.find_unused_parameters"}
+    # nothing sharded: the baseline every other strategy is compared against
+    traits = Traits(settings=DDPSettings, reference=True)
     checkpoint_format = "pieces"
 
     def setup(self, model: nn.Module, param_groups: list[dict], make_optimizer: OptimizerFactory) -> nn.Module:
@@ -52,7 +54,7 @@ class DDPStrategy(Strategy):
         self.model = model
         self.params = [p for g in param_groups for p in g["params"]]
         self.names = [n for g in param_groups for n in g["names"]]
-        s = self.cfg.strategy
+        s = self.settings
         # DDP broadcasts rank 0's weights here, so the master copy is taken after it.
         self.ddp = DistributedDataParallel(
             model, device_ids=[self.ctx.device.index] if self.ctx.device.type == "cuda" else None,
@@ -77,21 +79,21 @@ class DDPStrategy(Strategy):
         return self.master.master if self.master else self.params
 
     def step(self, lr: float, stats_level: int = 0) -> StepInfo:
-        self.set_lr(lr)
+        set_lr(self.optimizer, lr)
         if self.master:
             self.master.grads_to_master()
             # transient (peak accounting): the fp32 gradient copies live until the update is done.
             # DDP's reducer buckets are the gradients themselves (gradient_as_bucket_view): no more.
             copies = sum(m.grad.untyped_storage().nbytes() for m in self.master.master if m.grad is not None)
-            self._transient_alloc(copies, "step")
+            self.transient.alloc(copies, "step")
         grads = [p.grad for p in self._optimizer_params() if p.grad is not None]
-        info = self.unscale_clip_update(grads, stats_level)
+        info = self._update(grads, stats_level)
         if self.master:
             if not info.known_skipped:
                 self.master.master_to_model()
             for m in self.master.master:
                 m.grad = None  # the fp32 grad copy is transient
-            self._transient_free(copies)
+            self.transient.free(copies)
         # Zero in place (not set_to_none): the grads are views of DDP's buckets, which stay
         # allocated anyway, so keeping the views makes the ledger see them.
         for p in self.params:
@@ -99,7 +101,7 @@ class DDPStrategy(Strategy):
                 p.grad.zero_()
         return info
 
-    def describe_nonfinite(self) -> str:
+    def _describe_nonfinite(self) -> str:
         for name, p in zip(self.names, self._optimizer_params()):
             if p.grad is not None and not torch.isfinite(p.grad).all():
                 return f"first non-finite gradient: {name}"
@@ -133,7 +135,7 @@ class DDPStrategy(Strategy):
             shape, n = tuple(p.shape), p.numel()
             out[f"master/{name}"] = ShardPiece(p.detach().reshape(-1), 0, n, shape)
             for kind, v in self.optimizer.state.get(p, {}).items():
-                if isinstance(v, torch.Tensor) and v.ndim > 0:  # scalars (Adam's step) go to metadata
+                if is_element_state(v):  # scalars (Adam's step) go to metadata
                     out[f"{kind}/{name}"] = ShardPiece(v.detach().reshape(-1), 0, n, shape)
         return out
 
@@ -150,7 +152,7 @@ class DDPStrategy(Strategy):
         if self.master:
             self.master.master_to_model()
 
-    # ---- memory prediction (zerolab.memory; the protocol: strategies/memory_protocol.py) ---------
+    # ---- memory prediction (zerolab.memory asks it; Strategy.predict_memory says how) ----------
     @classmethod
     def predict_memory(cls, p, shape, *, precision, k, **_) -> None:
         n, c, dt = shape.n_params, COMPUTE_BYTES[precision], dtype_name(precision)

@@ -31,7 +31,9 @@ from zerolab.accounting import ModelShape, NotPredicted, StorageCounter, ceil_di
 from zerolab.buckets import bucket_cap
 from zerolab.errors import ConfigError, ZerolabError
 from zerolab.precision import COMPUTE_BYTES
-from zerolab.strategies.base import OptimizerFactory, StepInfo, Strategy
+from zerolab.numerics import StepInfo
+from zerolab.schema import DeepSpeedSettings
+from zerolab.strategies.base import OptimizerFactory, Strategy, Traits, larger_of, set_lr
 from zerolab.strategies.deepspeed_checkpoint import DeepSpeedCheckpointing
 
 INSTALL_HINT = "pip install deepspeed==0.19.8"
@@ -165,10 +167,13 @@ class _CountingBackend:
 class DeepSpeedStrategy(DeepSpeedCheckpointing, Strategy):
     name = "deepspeed"
     # DeepSpeed decides a non-finite step itself (skips it under fp16, applies it otherwise), so
-    # trainer.nonfinite does nothing here; its reductions are never in fp32 by zerolab's choice;
-    # its step measures no per-layer statistics.
-    uses = frozenset({"strategy.stage", "strategy.bucket_mb", "strategy.overlap_comm", "strategy.client_optimizer",
-                      "strategy.ds_config_overrides"})
+    # trainer.nonfinite does nothing here; its step measures no per-layer statistics (also_reads
+    # empty; optim.impl: reads). Its engine cannot run on fake tensors: stages 1 and 2 move the
+    # module with .to(), stage 3 checks parameters across ranks by their data at its first forward.
+    # A rank keeps whole the gradients of the tensors overlapping its partition: uneven memory.
+    traits = Traits(settings=DeepSpeedSettings, also_reads=frozenset(), sweep_stages=(1, 2, 3), uneven_memory=True,
+                    rehearsable="DeepSpeed's engine cannot run on fake tensors (stages 1 and 2 move the module with "
+                                ".to(), stage 3 checks parameters across ranks by their data at its first forward)")
 
     @classmethod
     def reads(cls, key: str, cfg) -> bool:
@@ -226,11 +231,10 @@ class DeepSpeedStrategy(DeepSpeedCheckpointing, Strategy):
         for var, value in (("LOCAL_RANK", self.ctx.local_rank), ("RANK", self.ctx.rank),
                            ("WORLD_SIZE", self.ctx.world_size)):
             os.environ.setdefault(var, str(value))
-        self.sharded_grads = cfg.strategy.stage >= 2
         model.to(self.ctx.device)  # DeepSpeed casts to bf16/fp16 itself
         self.names = {id(p): n for n, p in model.named_parameters()}
         grad_bytes = self.precision.compute_dtype.itemsize
-        ds_config = deep_merge(build_ds_config(cfg, self.ctx.world_size, grad_bytes), cfg.strategy.ds_config_overrides)
+        ds_config = deep_merge(build_ds_config(cfg, self.ctx.world_size, grad_bytes), self.settings.ds_config_overrides)
         self.ds_config = ds_config
         # "names" is zerolab's bookkeeping; keep every other group key (weight_decay, lr_scale).
         groups = [{k: v for k, v in g.items() if k != "names"} for g in param_groups]
@@ -273,7 +277,7 @@ class DeepSpeedStrategy(DeepSpeedCheckpointing, Strategy):
 
     def step(self, lr: float, stats_level: int = 0) -> StepInfo:
         """DeepSpeed's engine steps; `stats_level` is not measured (the optimizer is DeepSpeed's)."""
-        self.set_lr(lr)
+        set_lr(self.optimizer, lr)
         self._step_mem = self._measure()  # gradients exist now; DeepSpeed frees some after the step
         skipped_before = self.engine.skipped_steps
         self.engine.step()
@@ -291,7 +295,7 @@ class DeepSpeedStrategy(DeepSpeedCheckpointing, Strategy):
     def _measure(self) -> dict[str, int]:
         o, c = self.optimizer, StorageCounter()
         params = list(self.module.parameters())
-        if self.cfg.strategy.stage == 3:
+        if self.settings.stage == 3:
             c.add("params", (getattr(p, "ds_tensor", p) for p in params))
             fp32 = getattr(o, "fp32_partitioned_groups_flat", [])
             c.add("master", fp32)
@@ -315,8 +319,7 @@ class DeepSpeedStrategy(DeepSpeedCheckpointing, Strategy):
     def memory(self) -> dict[str, int]:
         """Bytes by category: the larger of what existed just before the last update (gradients
         are alive then) and what exists now."""
-        now = self._measure()
-        return {k: max(v, self._step_mem.get(k, 0)) for k, v in now.items()}
+        return larger_of(self._step_mem, self._measure())
 
     # ---- weights -------------------------------------------------------------------------------
     @torch.no_grad()
@@ -337,10 +340,7 @@ class DeepSpeedStrategy(DeepSpeedCheckpointing, Strategy):
             out[name] = (full[id(t)] if id(t) in full else t.detach().float().cpu()).clone()
         return out
 
-    # ---- memory prediction (zerolab.memory; the protocol: strategies/memory_protocol.py) ---------
-    sweep_stages = (1, 2, 3)
-    uneven_memory = True  # a rank keeps whole the gradients of the tensors overlapping its partition
-
+    # ---- memory prediction (zerolab.memory asks it; Strategy.predict_memory says how) ----------
     @classmethod
     def memory_identity(cls, stage: int) -> tuple[str, int]:
         if stage not in (1, 2, 3):

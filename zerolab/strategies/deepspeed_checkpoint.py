@@ -1,4 +1,5 @@
-"""DeepSpeed's native checkpoint format, behind the strategy protocol's "native" hooks.
+"""DeepSpeed's native checkpoint format, behind the strategy protocol's "native" hooks
+(zerolab/strategies/native.py).
 
 DeepSpeed saves and loads its partitioned state itself (engine.save_checkpoint /
 engine.load_checkpoint, torch.save files under the tag directory DS_TAG inside zerolab's
@@ -16,6 +17,7 @@ import torch
 
 from zerolab.errors import CheckpointError
 from zerolab.safeload import safe_torch_load
+from zerolab.strategies.native import NativeCheckpoint
 
 DS_TAG = "deepspeed"  # the tag (sub-directory) DeepSpeed's own files go into
 # The globals torch does not allow by default that DeepSpeed 0.19.8's ZeRO checkpoints hold, as
@@ -30,10 +32,9 @@ DEEPSPEED_GLOBALS = (
 )
 
 
-class DeepSpeedCheckpointing:
-    """Mixed into DeepSpeedStrategy: checkpoint_format = "native"."""
+class DeepSpeedCheckpointing(NativeCheckpoint):
+    """Mixed into DeepSpeedStrategy: checkpoint_format "native" (strategies/native.py)."""
 
-    checkpoint_format = "native"
     checkpoint_globals = DEEPSPEED_GLOBALS
 
     def save_native(self, directory: str) -> None:
@@ -74,11 +75,15 @@ class DeepSpeedCheckpointing:
     @classmethod
     def check_native_compatible(cls, meta: dict, path: str, cfg, world_size: int) -> None:
         saved, stage = meta["native"]["stage"], cfg.strategy.stage
-        if cfg.strategy.name != cls.name or saved != stage or meta["world_size"] != world_size:
+        # the run in the words that set it: strategy.stage is a setting of this strategy alone
+        same = cfg.strategy.name == cls.name
+        this_run = f"strategy={cfg.strategy.name}" + (f" strategy.stage={stage}" if same else "")
+        if not same or saved != stage or meta["world_size"] != world_size:
             raise CheckpointError(
-                f"{os.path.join(path, 'meta.json')}: a DeepSpeed stage-{saved} checkpoint of {meta['world_size']} ranks loads "
+                f"{os.path.join(path, 'meta.json')}: a DeepSpeed stage-{saved} checkpoint of {meta['world_size']} "
+                f"ranks loads "
                 f"only into strategy={cls.name} strategy.stage={saved} with {meta['world_size']} ranks (this run: "
-                f"strategy={cfg.strategy.name} stage {stage}, {world_size} ranks). To continue elsewhere, "
+                f"{this_run}, {world_size} ranks). To continue elsewhere, "
                 f"convert its weights: python -m zerolab export {path} --as-checkpoint --out DIR "
                 f"(the optimizer state does not carry over)")
 

@@ -24,10 +24,12 @@ import torch.nn as nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from zerolab.accounting import MIXED, StorageCounter, ceil_div, dtype_name, fmt_n, state_bytes
+from zerolab.accounting import MIXED, StorageCounter, ceil_div, dtype_name, element_states, fmt_n, state_bytes
 from zerolab.models import find_blocks, place
 from zerolab.precision import COMPUTE_BYTES
-from zerolab.strategies.base import OptimizerFactory, StepInfo, Strategy
+from zerolab.numerics import StepInfo
+from zerolab.schema import StrategySettings
+from zerolab.strategies.base import OptimizerFactory, Strategy, Traits, larger_of, set_lr
 
 
 _log = logging.getLogger("zerolab")
@@ -39,10 +41,9 @@ def _local(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
 
 class FSDPStrategy(Strategy):
     name = "fsdp"
-    sharded_grads = True
-    needs_blocks = True  # a user's model without repeated blocks is refused before any rank trains (zerolab.models.preflight)
-    # fully_shard has no bucket size (a unit is one block) and reduces in fp32 under mixed precision.
-    uses = Strategy.uses
+    # fully_shard has no bucket size (a unit is one block) and reduces in fp32 under mixed precision:
+    # no settings of its own. Ranks hold uneven shares: the last ranks' optimizer state is smaller.
+    traits = Traits(settings=StrategySettings, stage=3, sharded_grads=True, needs_blocks=True, uneven_memory=True)
     checkpoint_format = "none"
 
     def setup(self, model: nn.Module, param_groups: list[dict], make_optimizer: OptimizerFactory) -> nn.Module:
@@ -59,9 +60,10 @@ class FSDPStrategy(Strategy):
         found = find_blocks(model, self.cfg.model.blocks)  # blocks, model.layers, transformer.h, ...
         self.units: list[nn.Module] = list(found.modules) if found is not None else []
         if not self.units and self.ctx.is_main:
-            _log.warning("strategy=fsdp: the model (%s) has no .blocks (no nn.ModuleList of same-class modules), so "
-                         "it is one FSDP unit: every parameter is gathered for the whole forward and backward, and the "
-                         "memory per rank is not ZeRO-3's. Name its layers with model.blocks=PATH, or use strategy=zero2",
+            _log.warning("strategy=fsdp: the model (%s) has no .blocks (no nn.ModuleList of same-class modules), "
+                         "so it is one FSDP unit: every parameter is gathered for the whole forward and backward, and "
+                         "the memory per rank is not ZeRO-3's. Name its layers with model.blocks=PATH, or use "
+                         "strategy=zero2",
                          type(model).__name__)
         mesh = self.ctx.device_mesh()
         for block in self.units:
@@ -110,14 +112,14 @@ class FSDPStrategy(Strategy):
             self._sync = True
 
     def step(self, lr: float, stats_level: int = 0) -> StepInfo:
-        self.set_lr(lr)
+        set_lr(self.optimizer, lr)
         grads = [_local(q.grad) for q in self.params if q.grad is not None]
         self._step_mem = self._measure()
-        info = self.unscale_clip_update(grads, stats_level)
+        info = self._update(grads, stats_level)
         self.optimizer.zero_grad(set_to_none=True)
         return info
 
-    def describe_nonfinite(self) -> str:
+    def _describe_nonfinite(self) -> str:
         for name, q in zip(self.names, self.params):
             g = _local(q.grad)
             if g is not None and not torch.isfinite(g).all():
@@ -132,15 +134,13 @@ class FSDPStrategy(Strategy):
         # exist only while a unit is gathered.
         c.add("master" if self.precision.master_weights else "params", shards)
         c.add("grads", (_local(q.grad) for q in self.params))
-        c.add("optim_state", (_local(v) for state in self.optimizer.state.values() for v in state.values()
-                              if isinstance(v, torch.Tensor) and v.ndim > 0))
+        c.add("optim_state", (_local(v) for v in element_states(self.optimizer)))
         c.add("buffers", self.model.buffers())
         return c.result()
 
     def memory(self) -> dict[str, int]:
         """The larger of what existed just before the last update (gradients alive) and now."""
-        now = self._measure()
-        return {k: max(v, self._step_mem.get(k, 0)) for k, v in now.items()}
+        return larger_of(self._step_mem, self._measure())
 
     # ---- weights -------------------------------------------------------------------------------
     @torch.no_grad()
@@ -152,10 +152,7 @@ class FSDPStrategy(Strategy):
                 out[name] = full.detach().float().cpu().clone()
         return out if self.ctx.is_main else None
 
-    # ---- memory prediction (zerolab.memory; the protocol: strategies/memory_protocol.py) ---------
-    stage = 3
-    uneven_memory = True  # the last ranks' optimizer state is smaller (predict_memory)
-
+    # ---- memory prediction (zerolab.memory asks it; Strategy.predict_memory says how) ----------
     @classmethod
     def predict_memory(cls, p, shape, *, world, precision, k, rank, **_) -> None:
         """FSDP2 (fully_shard): every parameter is a DTensor sharded on dim 0 in chunks of
@@ -176,6 +173,8 @@ class FSDPStrategy(Strategy):
             p.add("params", shard * s, f"{kind} sharded parameters: {fmt_n(shard)} × {s}")
         p.add("grads", shard * s, f"{kind} sharded gradients: {fmt_n(shard)} × {s}")
         p.add("optim_state", held * k * s, f"optimizer state of rank {rank}'s rows: {fmt_n(held)} × {k:g} × {s}")
+        if shape.buffer_bytes:  # fully_shard leaves buffers whole on every rank (RoPE's inv_freq, say)
+            p.add("buffers", shape.buffer_bytes, "model buffers")
         biggest = max(math.prod(s_) for s_ in shape.shapes)
         p.add("transient", biggest * c, f"{dt} unsharded weights of the module being computed (largest tensor)")
         padded = shard * N > shape.n_params

@@ -13,13 +13,15 @@ from __future__ import annotations
 
 import inspect
 import math
+from dataclasses import replace
 
 import torch
 import torch.nn as nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from zerolab.accounting import MIXED, StorageCounter, ceil_div, fmt_n, state_bytes
-from zerolab.strategies.base import OptimizerFactory, StepInfo
+from zerolab.numerics import StepInfo
+from zerolab.strategies.base import OptimizerFactory
 from zerolab.strategies.ddp import DDPStrategy
 
 
@@ -37,9 +39,10 @@ def as_class_and_groups(optimizer: torch.optim.Optimizer) -> tuple[type, dict, l
 
 class TorchZeroStrategy(DDPStrategy):
     name = "torch_zero"
-    reference = False
-    # ZeroRedundancyOptimizer steps zerolab's optimizer class itself: no per-layer statistics.
-    uses = DDPStrategy.uses - {"logging.layer_stats_every"}
+    # ZeroRedundancyOptimizer steps zerolab's optimizer class itself: no per-layer statistics. Whole
+    # tensors are assigned greedily, so ranks hold uneven shares; the memory sweep shows rank 0 only.
+    traits = replace(DDPStrategy.traits, reference=False, stage=1, uneven_memory=True, sweep_stages=(),
+                     also_reads=DDPStrategy.traits.also_reads - {"logging.layer_stats_every"})
     # DDP's checkpoint methods are inherited but wrong here: the optimizer state lives on the rank
     # that owns each parameter, which DDP's rank-0-writes-all would silently drop.
     checkpoint_format = "none"
@@ -70,11 +73,7 @@ class TorchZeroStrategy(DDPStrategy):
         c.add("buffers", self.model.buffers())
         return c.result()
 
-    # ---- memory prediction (zerolab.memory; the protocol: strategies/memory_protocol.py) ---------
-    stage = 1
-    sweep_stages = ()  # the sweep shows rank 0 only; this strategy's shards are uneven
-    uneven_memory = True
-
+    # ---- memory prediction (zerolab.memory asks it; Strategy.predict_memory says how) ----------
     @classmethod
     def predict_memory(cls, p, shape, *, world, precision, k, rank, **_) -> None:
         """Only the optimizer state is sharded, by whole tensors: DDP's terms with this rank's state."""

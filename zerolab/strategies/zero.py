@@ -15,11 +15,11 @@ buffer, updated in place and all-gathered in place. Likewise zero1's gradient sh
 training, is a view of the owned chunk of the whole reduced gradient. So with AdamW in fp32 a
 rank holds (4 + 4 + 8/N) bytes per parameter under zero1 and (4 + (4 + 8)/N) under zero2.
 
-Why per-bucket chunks instead of one contiguous slice of the whole group (DESIGN.md's first
-sketch): a reduce-scatter hands chunk r of its input to rank r, so with per-bucket ownership a
-bucket can be reduce-scattered the moment its gradients are complete, while backward is still
-running. With one slice per rank, the first reduce-scatter would need gradients from all over
-the model and nothing could overlap.
+Why per-bucket chunks instead of one contiguous slice of the whole group (the simplest layout): a
+reduce-scatter hands chunk r of its input to rank r, so with per-bucket ownership a bucket can be
+reduce-scattered the moment its gradients are complete, while backward is still running. With one
+slice per rank, the first reduce-scatter would need gradients from all over the model and nothing
+could overlap.
 
 Step, per stage:
   zero1  gradients accumulate in the model (views into per-bucket buffers, so a bucket is
@@ -41,7 +41,7 @@ from __future__ import annotations
 
 from collections import deque
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Optional
 
 import torch
@@ -53,7 +53,10 @@ from zerolab.accounting import StorageCounter, dtype_name, fmt_n, state_bytes
 from zerolab.models import place
 from zerolab.optim.segments import Segment
 from zerolab.precision import COMPUTE_BYTES
-from zerolab.strategies.base import OptimizerFactory, ShardPiece, StepInfo, Strategy
+from zerolab.numerics import StepInfo
+from zerolab.schema import ZeroSettings
+from zerolab.strategies.base import OptimizerFactory, Strategy, Traits, set_lr
+from zerolab.strategies.zero_checkpoint import ZeroPieces
 
 
 @dataclass
@@ -90,11 +93,8 @@ class FlatGroup:
         return piece
 
 
-class ZeroStrategy(Strategy):
-    stage = 1
-    sharded_grads = True
-    zerolab_sharder = True
-    uses = Strategy.uses | {"strategy.bucket_mb", "strategy.reduce_dtype"}
+class ZeroStrategy(ZeroPieces, Strategy):
+    traits = Traits(settings=ZeroSettings, stage=1, sharded_grads=True, zerolab_sharder=True)
     checkpoint_format = "pieces"
 
     # ---- setup ------------------------------------------------------------------------------
@@ -104,11 +104,7 @@ class ZeroStrategy(Strategy):
         self.bucket_of = {id(p): b for b in self.buckets for p, _, _ in b.params}
         self.offset_of = {id(p): off for b in self.buckets for p, _, off in b.params}
         self.groups = self._make_flat_groups(param_groups)
-        self.optimizer = make_optimizer([
-            {**{k: v for k, v in g.items() if k not in ("params", "names")}, "params": fg.pieces,
-             "segments": fg.segments, "n_tensors": len(g["params"]), "names": g["names"],
-             "allreduce": self._allreduce}
-            for g, fg in zip(param_groups, self.groups)])
+        self.optimizer = self._make_optimizer(param_groups, make_optimizer)
         # Reduce-scatters in flight, in launch order: (work, output chunk, bucket, send buffer).
         # The send buffer must stay referenced until the work completes: an asynchronous
         # collective reads it in the background, and zero2's comm_buf is otherwise dropped.
@@ -139,18 +135,18 @@ class ZeroStrategy(Strategy):
         self.model, self.world, self.rank = model, self.ctx.world_size, self.ctx.rank
         for p in model.parameters():  # every rank starts from rank 0's weights
             dist.broadcast(p.data, src=0)
-        self.reduce_dtype = torch.float32 if self.cfg.strategy.reduce_dtype == "fp32" else self.precision.compute_dtype
+        self.reduce_dtype = torch.float32 if self.settings.reduce_dtype == "fp32" else self.precision.compute_dtype
         # The shard the optimizer updates: fp32 master weights, except in bf16_pure, whose point
         # is to update the 16-bit weights themselves (the owned chunk, then all-gathered). Where
         # that is the weights' own dtype, the shard is a view of the weights (module docstring).
         self.shard_dtype = self.precision.update_dtype
-        self.shard_is_weights = self.shard_dtype == self.precision.compute_dtype and self.stage < 3
+        self.shard_is_weights = self.shard_dtype == self.precision.compute_dtype and self.traits.stage < 3
 
     def _make_buckets(self, model: nn.Module, param_groups: list[dict]) -> list[Bucket]:
         order = {id(p): i for i, p in enumerate(model.parameters())}
         entries = sorted(((order[id(p)], gi, ti, p) for gi, g in enumerate(param_groups)
                           for ti, p in enumerate(g["params"])), key=lambda e: e[0])
-        cap = bucket_cap(self.cfg.strategy.bucket_mb, self.precision.compute_dtype.itemsize)
+        cap = bucket_cap(self.settings.bucket_mb, self.precision.compute_dtype.itemsize)
         closed = [(gi, [(entries[i][3], entries[i][2]) for i in members])
                   for gi, members in pack_buckets([(gi, p.numel()) for _, gi, _, p in entries], cap)]
         self.piece_sizes: list[list[int]] = [[] for _ in param_groups]  # per group, per piece: elements
@@ -175,7 +171,7 @@ class ZeroStrategy(Strategy):
         for p, _, off in b.params:
             b.flat_params[off:off + p.numel()].copy_(p.data.view(-1))
             p.data = b.flat_params[off:off + p.numel()].view_as(p)
-        if self.stage == 1:
+        if self.traits.stage == 1:
             b.flat_grads = torch.zeros_like(b.flat_params)
             for p, _, off in b.params:
                 p.grad = b.flat_grads[off:off + p.numel()].view_as(p)
@@ -202,7 +198,7 @@ class ZeroStrategy(Strategy):
                                                offset=start - off, piece=b.piece))
         for b in self.buckets:
             piece = groups[b.group].pieces[b.piece]
-            if self.stage == 1 and self.shard_is_weights:  # zero1's whole gradient holds the reduced chunk
+            if self.traits.stage == 1 and self.shard_is_weights:  # zero1's whole gradient holds the reduced chunk
                 piece.grad = b.flat_grads[self.rank * b.chunk:(self.rank + 1) * b.chunk]
             elif piece.grad is None:
                 piece.grad = torch.zeros_like(piece)
@@ -219,13 +215,19 @@ class ZeroStrategy(Strategy):
     def _shard_grads(self) -> list[torch.Tensor]:
         return [piece.grad for g in self.groups for piece in g.pieces]
 
-    def _allreduce(self, t: torch.Tensor) -> None:
-        self.comm.record("all_reduce", t)
-        dist.all_reduce(t)
+    def _make_optimizer(self, param_groups: list[dict], make_optimizer: OptimizerFactory) -> torch.optim.Optimizer:
+        """The optimizer over this rank's shard: one group per param group, its flat pieces and
+        where each tensor lies in them (zerolab's optimizers keep per-tensor norms for LAMB/LARS
+        with one all-reduce)."""
+        return make_optimizer([
+            {**{k: v for k, v in g.items() if k not in ("params", "names")}, "params": fg.pieces,
+             "segments": fg.segments, "n_tensors": len(g["params"]), "names": g["names"],
+             "allreduce": self._all_reduce}
+            for g, fg in zip(param_groups, self.groups)])
 
     # ---- backward: hooks, in-order launches ---------------------------------------------------
     def no_sync(self):
-        if self.stage >= 2:  # zero2 reduces every micro-batch: its gradients are never whole
+        if self.traits.stage >= 2:  # zero2 reduces every micro-batch: its gradients are never whole
             return super().no_sync()
         return self._no_sync()
 
@@ -241,10 +243,10 @@ class ZeroStrategy(Strategy):
         if not self.sync:
             return
         b = self.bucket_of[id(p)]
-        if self.stage >= 2:
+        if self.traits.stage >= 2:
             if b.comm_buf is None:
                 b.comm_buf = torch.zeros(b.size, dtype=self.reduce_dtype, device=p.device)
-                self._transient_alloc(b.comm_buf.untyped_storage().nbytes(), "backward")
+                self.transient.alloc(b.comm_buf.untyped_storage().nbytes(), "backward")
             off = self.offset_of[id(p)]
             # copy and average in one pass (DDP also divides before summing)
             torch.div(p.grad.view(-1), self.world, out=b.comm_buf[off:off + p.numel()])
@@ -265,18 +267,18 @@ class ZeroStrategy(Strategy):
         self._drain(block=len(self.pending) > MAX_IN_FLIGHT)
 
     def _reduce_scatter(self, b: Bucket) -> None:
-        if self.stage == 1:
+        if self.traits.stage == 1:
             buf = b.flat_grads if self.reduce_dtype == b.flat_grads.dtype else b.flat_grads.to(self.reduce_dtype)
             buf.div_(self.world)  # average before summing, as DDP does: same rounding in 16 bits
             if buf is not b.flat_grads:  # a reduce_dtype copy (peak accounting)
-                self._transient_alloc(buf.untyped_storage().nbytes(), "backward")
+                self.transient.alloc(buf.untyped_storage().nbytes(), "backward")
         else:
             if b.comm_buf is None:  # no parameter of this bucket got a gradient
                 b.comm_buf = torch.zeros(b.size, dtype=self.reduce_dtype, device=self.ctx.device)
-                self._transient_alloc(b.comm_buf.untyped_storage().nbytes(), "backward")
+                self.transient.alloc(b.comm_buf.untyped_storage().nbytes(), "backward")
             buf = b.comm_buf  # already averaged by _grad_ready
         out = torch.empty(b.chunk, dtype=buf.dtype, device=buf.device)
-        self._transient_alloc(out.untyped_storage().nbytes(), "backward")
+        self.transient.alloc(out.untyped_storage().nbytes(), "backward")
         self.comm.record("reduce_scatter", buf)
         work = dist.reduce_scatter_single(out, buf, async_op=True)
         self.pending.append((work, out, b, buf))
@@ -289,11 +291,11 @@ class ZeroStrategy(Strategy):
         while self.pending and (block or self.pending[0][0].is_completed()):
             work, out, b, buf = self.pending.popleft()
             work.wait()
-            if self.stage == 1:  # once per step, into a zeroed shard or over this rank's own gradient
+            if self.traits.stage == 1:  # once per step, into a zeroed shard or over this rank's own gradient
                 self._grad_chunk(b).copy_(out)
             else:  # zero2 and zero3 sum every micro-batch's reduction
                 self._grad_chunk(b).add_(out)
-            self._transient_free(out.untyped_storage().nbytes()
+            self.transient.free(out.untyped_storage().nbytes()
                                  + (buf.untyped_storage().nbytes() if buf is not b.flat_grads else 0))
             b.comm_buf = None  # zero2: the bucket's memory goes back to the allocator
 
@@ -308,14 +310,14 @@ class ZeroStrategy(Strategy):
 
     # ---- step -------------------------------------------------------------------------------
     def step(self, lr: float, stats_level: int = 0) -> StepInfo:
-        self.set_lr(lr)
+        set_lr(self.optimizer, lr)
         self._drain()
-        info = self.unscale_clip_update(self._shard_grads(), stats_level)
+        info = self._update(self._shard_grads(), stats_level)
         if not info.known_skipped:
             self._all_gather_params(wait=False)  # completes behind the next forward
         for grad in self._shard_grads():
             grad.zero_()
-        if self.stage == 1:
+        if self.traits.stage == 1:
             for b in self.buckets:
                 b.flat_grads.zero_()
         return info
@@ -331,21 +333,25 @@ class ZeroStrategy(Strategy):
             chunk = self._shard_chunk(b).to(b.flat_params.dtype)
             if chunk.dtype != self.shard_dtype:  # a 16-bit copy, alive until waited for
                 self._gather_input_bytes[i] = chunk.untyped_storage().nbytes()
-                self._transient_alloc(self._gather_input_bytes[i], "step")
+                self.transient.alloc(self._gather_input_bytes[i], "step")
             self.comm.record("all_gather", b.flat_params)
             self.gathers[i] = (dist.all_gather_single(b.flat_params, chunk, async_op=True), chunk)
         if wait:
             self._wait_gathers()
+
+    def _weights_follow_shard(self) -> None:
+        """After the shard changed outside a step (a checkpoint loaded): the model's weights follow."""
+        self._all_gather_params()  # every chunk is written
 
     def _wait_gathers(self, indices=None) -> None:
         for i in (list(self.gathers) if indices is None else indices):
             entry = self.gathers.pop(i, None)
             if entry is not None:
                 entry[0].wait()
-                self._transient_free(self._gather_input_bytes.pop(i, 0))
+                self.transient.free(self._gather_input_bytes.pop(i, 0))
 
     # ---- introspection ------------------------------------------------------------------------
-    def describe_nonfinite(self) -> str:
+    def _describe_nonfinite(self) -> str:
         for g in self.groups:
             for s in g.segments:
                 if not torch.isfinite(g.pieces[s.piece].grad[s.start:s.end]).all():
@@ -361,83 +367,7 @@ class ZeroStrategy(Strategy):
         c.add("buffers", (b.comm_buf for b in self.buckets)).add("buffers", self.model.buffers())
         return c.result()
 
-    @torch.no_grad()
-    def consolidated_state_dict(self) -> Optional[dict[str, torch.Tensor]]:
-        """All-gather the fp32 master one bucket at a time (collective); rank 0 copies that
-        bucket's tensors out before the next one is gathered, so no rank ever holds a full-model
-        buffer: beside rank 0's copies, the transient is one bucket (it used to be the whole
-        model on every rank, at the end of a run, when a large model has the least room)."""
-        self._wait_gathers()
-        main = self.ctx.is_main
-        state = self.model.state_dict(keep_vars=True)
-        names: dict[int, list[str]] = {}
-        for name, t in state.items():
-            names.setdefault(id(t), []).append(name)  # a tied weight has two names: two copies
-        out = {}
-        for b in self.buckets:
-            full = torch.empty(b.size, dtype=self.shard_dtype, device=self.ctx.device)
-            dist.all_gather_single(full, self._shard_chunk(b).contiguous())
-            if main:
-                for p, _, off in b.params:
-                    for name in names.get(id(p), ()):
-                        out[name] = full[off:off + p.numel()].view(p.shape).float().cpu().clone()
-            del full
-        if not main:
-            return None
-        return {name: out[name] if name in out else t.detach().float().cpu().clone() for name, t in state.items()}
-
-    # ---- checkpoints: this rank's pieces, keyed by parameter name and element range ----------
-    def _pieces(self):
-        """(group, segment, {kind: the tensor of its piece}) for every segment this rank owns:
-        kind "master" (the shard) and every per-element optimizer state."""
-        for g in self.groups:
-            tensors = []
-            for piece in g.pieces:
-                state = self.optimizer.state.get(piece, {})
-                tensors.append({"master": piece.data, **{k: v for k, v in state.items()
-                                                         if isinstance(v, torch.Tensor) and v.shape == piece.shape}})
-            for s in g.segments:
-                yield g, s, tensors[s.piece]
-
-    def checkpoint_state(self) -> dict[str, ShardPiece]:
-        self._wait_gathers()
-        out = {}
-        for g, s, tensors in self._pieces():
-            name = g.names[s.tensor]
-            shape = tuple(self._param_by_name[name].shape)
-            for kind, t in tensors.items():
-                out[f"{kind}/{name}"] = ShardPiece(t[s.start:s.end].detach().clone().cpu(), s.offset,
-                                                   s.offset + s.end - s.start, shape)
-        return out
-
-    @torch.no_grad()
-    def load_checkpoint_state(self, read) -> None:
-        self._materialise_optimizer_state()
-        for g, s, tensors in self._pieces():
-            name = g.names[s.tensor]
-            for kind, t in tensors.items():
-                t[s.start:s.end].copy_(read(f"{kind}/{name}", s.offset, s.offset + s.end - s.start))
-        self._all_gather_params()  # the model's weights follow the loaded shard (every chunk is written)
-
-    def _materialise_optimizer_state(self) -> None:
-        """A fresh optimizer has no state to load into: one update with zero gradients and lr 0
-        creates it (and changes no weight); the loaded values then overwrite it."""
-        if all(self.optimizer.state.get(piece) for g in self.groups for piece in g.pieces):
-            return
-        saved = [(grp["lr"], grp.get("weight_decay", 0.0)) for grp in self.optimizer.param_groups]
-        for grp in self.optimizer.param_groups:
-            grp["lr"] = 0.0
-        for grad in self._shard_grads():
-            grad.zero_()
-        self.optimizer.step()
-        for grp, (lr, _) in zip(self.optimizer.param_groups, saved):
-            grp["lr"] = lr
-
-    @property
-    def _param_by_name(self) -> dict[str, torch.Tensor]:
-        return dict(self.model.named_parameters())
-
-    # ---- memory prediction (zerolab.memory; the protocol: strategies/memory_protocol.py) ---------
+    # ---- memory prediction (zerolab.memory asks it; Strategy.predict_memory says how) ----------
     @classmethod
     def predict_memory(cls, p, shape, *, world, precision, k, bucket_mb, reduce_dtype, **_) -> None:
         """Every bucket is padded to a multiple of N and rank r owns chunk r of each; the shard the
@@ -455,17 +385,17 @@ class ZeroStrategy(Strategy):
         p.add("params", n * c, f"{dt} weights, whole, views into per-bucket flat buffers: Ψ × {c}")
         if pad:
             p.add("params", pad * c, f"padding of {len(sizes)} bucket(s) to multiples of N: {fmt_n(pad)} × {c}")
-        if cls.stage == 1:
+        if cls.traits.stage == 1:
             p.add("grads", padded * c, f"{dt} gradients, whole, views into per-bucket flat buffers "
                                        f"(kept between steps): {fmt_n(padded)} × {c}"
                                        + (" (the owned chunks are the gradient shard)" if view else ""))
-        if not (cls.stage == 1 and view):
+        if not (cls.traits.stage == 1 and view):
             p.add("grads", shard * s, f"{sd} gradient shard (the owned chunks): {fmt_n(shard)} × {s}")
         if not view:
             p.add("master", shard * s, f"fp32 master shard the optimizer updates: {fmt_n(shard)} × {s}")
         p.add("optim_state", shard * k * s, f"optimizer state of the shard: {fmt_n(shard)} × {k:g} × {s}")
         rb = 4 if reduce_dtype == "fp32" else c
-        if cls.stage == 2:
+        if cls.traits.stage == 2:
             # backward waits once more than MAX_IN_FLIGHT are in flight, i.e. after launching one more
             p.add("transient", min(len(sizes), 2 + MAX_IN_FLIGHT) * max(sizes) * rb,
                   "gradient buckets copied for reduce-scatter, freed as each finishes during backward "
@@ -477,14 +407,15 @@ class ZeroStrategy(Strategy):
               f"reduce-scatter outputs (one chunk per bucket) of the {in_flight} bucket(s) in flight during backward")
         if not view:  # fp32 and bf16_pure all-gather in place, from the weights' own chunk
             p.add("transient", shard * c, f"{dt} copies of the owned chunks, the all-gather inputs of every bucket "
-                                          f"from the optimizer step to the next forward: {fmt_n(shard)} × {c}", when="step")
+                                          f"from the optimizer step to the next forward: {fmt_n(shard)} × {c}",
+                  when="step")
         if shape.buffer_bytes:
             p.add("buffers", shape.buffer_bytes, "model buffers")
-        paper = "4Ψ + KΨ/N" if cls.stage == 1 else "2Ψ + (2 + K)Ψ/N"
+        paper = "4Ψ + KΨ/N" if cls.traits.stage == 1 else "2Ψ + (2 + K)Ψ/N"
         why = []
         if not view:
             why.append(f"zerolab keeps an {sd} gradient shard ({s}Ψ/N) on top of the whole gradients (the paper "
-                       "reduces into them, no shard)" if cls.stage == 1 else
+                       "reduces into them, no shard)" if cls.traits.stage == 1 else
                        f"zerolab's gradient shard is {sd} ({s}Ψ/N) where the paper's is {c}-byte ({c}Ψ/N)")
         if pad:
             why.append("buckets are padded to multiples of N")
@@ -492,17 +423,18 @@ class ZeroStrategy(Strategy):
         if view:
             p.notes.append(f"the shard the optimizer updates is a view of this rank's chunk of the {dt} weights (no "
                            "master copy)" + (", and the gradient shard a view of its chunk of the whole gradients"
-                                             if cls.stage == 1 else ""))
+                                             if cls.traits.stage == 1 else ""))
         else:
             p.notes.append(f"vs the paper ({paper} in mixed precision): the gradient shard is fp32 (4Ψ/N)"
-                           + (" on top of the whole 16-bit gradients" if cls.stage == 1 else " rather than 16-bit (2Ψ/N)"))
+                           + (" on top of the whole 16-bit gradients" if cls.traits.stage == 1
+                              else " rather than 16-bit (2Ψ/N)"))
 
 
 class Zero1Strategy(ZeroStrategy):
-    name, stage = "zero1", 1
-    memory_reference = ("deepspeed", 1)  # memory: beside DeepSpeed's stage 1
+    name = "zero1"
+    traits = replace(ZeroStrategy.traits, stage=1, memory_reference=("deepspeed", 1))  # memory: beside DeepSpeed's
 
 
 class Zero2Strategy(ZeroStrategy):
-    name, stage = "zero2", 2
-    memory_reference = ("deepspeed", 2)  # memory: beside DeepSpeed's stage 2
+    name = "zero2"
+    traits = replace(ZeroStrategy.traits, stage=2, memory_reference=("deepspeed", 2))

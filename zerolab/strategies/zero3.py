@@ -66,7 +66,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Optional
 
 import torch
@@ -78,7 +78,8 @@ from zerolab.accounting import MIXED, StorageCounter, dtype_name, fmt_n, state_b
 from zerolab.models import block_of_parameters, find_blocks
 from zerolab.models.recompute import tensors_in
 from zerolab.precision import COMPUTE_BYTES
-from zerolab.strategies.base import OptimizerFactory
+from zerolab.schema import Zero3Settings
+from zerolab.strategies.base import OptimizerFactory, set_lr
 from zerolab.strategies.zero import Bucket, ZeroStrategy
 
 MAX_LIVE_BUCKETS = 12  # gathered or in-flight buckets above which no unit is prefetched
@@ -115,16 +116,18 @@ class Unit:
 
 
 class Zero3Strategy(ZeroStrategy):
-    name, stage = "zero3", 3  # zero.py's gradient path of stage >= 2: bucket copies, reduce-scatter per micro-batch
-    needs_blocks = True  # a user's model without repeated blocks is refused before any rank trains (zerolab.models.preflight)
-    uses = ZeroStrategy.uses | {"strategy.reshard_after_forward"}
+    name = "zero3"
+    # stage 3 takes zero.py's gradient path of stage >= 2 (bucket copies, a reduce-scatter per
+    # micro-batch); a model without repeated blocks is refused before any rank trains (needs_blocks)
+    traits = replace(ZeroStrategy.traits, settings=Zero3Settings, stage=3, needs_blocks=True,
+                     memory_reference=("deepspeed", 3))
     # checkpoint_format "pieces" (zero.py): the fp32 master shard and optimizer state by parameter
     # name and element range, exactly zero2's, so zero3 reshards to and from ddp/zero1/zero2.
 
     # ---- setup ------------------------------------------------------------------------------
     def setup(self, model: nn.Module, param_groups: list[dict], make_optimizer: OptimizerFactory) -> nn.Module:
         self._place(model)  # zero.py: device, dtype, rank 0's weights, reduce and shard dtypes
-        self.reshard_after_forward = self.cfg.strategy.reshard_after_forward
+        self.reshard_after_forward = self.settings.reshard_after_forward
         self.units = self._make_units(model, param_groups)
         self.unit_of = {id(p): u for u in self.units for p in u.params}
         self.buckets = self._make_buckets(model, param_groups)  # whole flat buffers, for now
@@ -146,11 +149,7 @@ class Zero3Strategy(ZeroStrategy):
         # bf16_pure) it is the weights, and nothing is stored twice.
         self.local = [g.master.data if self.shard_dtype == self.precision.compute_dtype
                       else g.master.data.to(self.precision.compute_dtype) for g in self.groups]
-        self.optimizer = make_optimizer([
-            {**{k: v for k, v in g.items() if k not in ("params", "names")}, "params": fg.pieces,
-             "segments": fg.segments, "n_tensors": len(g["params"]), "names": g["names"],
-             "allreduce": self._allreduce}
-            for g, fg in zip(param_groups, self.groups)])
+        self.optimizer = self._make_optimizer(param_groups, make_optimizer)
         self.pending: deque = deque()  # reduce-scatters in flight (zero.py)
         self.next_launch = 0
         self.sync = True  # zero2's path: never False, every micro-batch reduces
@@ -191,7 +190,7 @@ class Zero3Strategy(ZeroStrategy):
         where = {id(p): (gi, ti) for gi, g in enumerate(param_groups) for ti, p in enumerate(g["params"])}
         params = [p for unit in self.units for p in unit.params]
         tensors = [(where[id(p)][0], p.numel(), ui) for ui, unit in enumerate(self.units) for p in unit.params]
-        cap = bucket_cap(self.cfg.strategy.bucket_mb, self.precision.compute_dtype.itemsize)
+        cap = bucket_cap(self.settings.bucket_mb, self.precision.compute_dtype.itemsize)
         shard_pos = [0] * len(param_groups)
         buckets = []
         for ui, gi, members, size in pack_units(tensors, cap, self.world):
@@ -220,7 +219,7 @@ class Zero3Strategy(ZeroStrategy):
             b = self.buckets[i]
             b.flat_params.untyped_storage().resize_(b.size * b.flat_params.element_size())
             # gathered weights are transient (peak accounting): forward or backward, until freed
-            self._transient_alloc(b.size * b.flat_params.element_size(), "backward")
+            self.transient.alloc(b.size * b.flat_params.element_size(), "backward")
             chunk = self._chunk(b)
             self.comm.record("all_gather", b.flat_params)
             self.gathers[i] = (dist.all_gather_single(b.flat_params, chunk, async_op=True), chunk)
@@ -229,7 +228,7 @@ class Zero3Strategy(ZeroStrategy):
     def _free_bucket(self, i: int) -> None:
         self._wait_gathers([i])  # never take memory from under a collective still writing it
         if i in self.live:
-            self._transient_free(self.buckets[i].flat_params.untyped_storage().nbytes())
+            self.transient.free(self.buckets[i].flat_params.untyped_storage().nbytes())
         self.buckets[i].flat_params.untyped_storage().resize_(0)
         self.live.discard(i)
 
@@ -295,10 +294,10 @@ class Zero3Strategy(ZeroStrategy):
 
     # ---- step -------------------------------------------------------------------------------
     def step(self, lr: float, stats_level: int = 0):
-        self.set_lr(lr)
+        set_lr(self.optimizer, lr)
         self._drain()
         with self._fp32_grads():
-            info = self.unscale_clip_update([g.master.grad for g in self.groups], stats_level)
+            info = self._update([g.master.grad for g in self.groups], stats_level)
         if not info.known_skipped:
             self._refresh_local()  # the next forward all-gathers the new weights: no all-gather here
         for shard in self.grad_shards:
@@ -314,13 +313,13 @@ class Zero3Strategy(ZeroStrategy):
         nbytes = sum(shard.numel() * 4 for _, shard in copies)
         for g, shard in copies:
             g.master.grad = shard.float()
-        self._transient_alloc(nbytes, "step")
+        self.transient.alloc(nbytes, "step")
         try:
             yield
         finally:
             for g, _ in copies:
                 g.master.grad = None
-            self._transient_free(nbytes)
+            self.transient.free(nbytes)
 
     def _materialise_optimizer_state(self) -> None:
         with self._fp32_grads():  # zero.py's zero-gradient update needs master.grad
@@ -345,20 +344,11 @@ class Zero3Strategy(ZeroStrategy):
         c.add("buffers", (b.comm_buf for b in self.buckets)).add("buffers", self.model.buffers())
         return c.result()
 
-    @torch.no_grad()
-    def load_checkpoint_state(self, read) -> None:
-        """zero.py's piece loading (the master shard and optimizer state by name and range), then
-        the persistent chunks follow the loaded master; nothing is gathered until the next forward."""
-        self._materialise_optimizer_state()
-        for g, s, tensors in self._pieces():
-            name = g.names[s.tensor]
-            for kind, t in tensors.items():
-                t[s.start:s.end].copy_(read(f"{kind}/{name}", s.offset, s.offset + s.end - s.start))
+    def _weights_follow_shard(self) -> None:
+        """A loaded master: the persistent chunks follow it; nothing is gathered until the next forward."""
         self._refresh_local()
 
-
-    # ---- memory prediction (zerolab.strategies.memory_protocol) ------------------------------------
-    memory_reference = ("deepspeed", 3)  # memory: beside DeepSpeed's stage 3
+    # ---- memory prediction (zerolab.memory asks it; Strategy.predict_memory says how) ----------
 
     @classmethod
     def predict_memory(cls, p, shape, *, world, precision, k, bucket_mb, reduce_dtype, **_) -> None:

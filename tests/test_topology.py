@@ -1,0 +1,53 @@
+"""Nodes (zerolab/topology.py): the layout of ranks in nodes, the link a collective's bytes travel
+on, and the comm counter's split of them (zerolab/comm.py)."""
+import pytest
+
+from zerolab.accounting import on_host
+from zerolab.comm import CommCounter
+from zerolab.config import compose
+from zerolab.errors import ConfigError
+from zerolab.topology import ACROSS, INSIDE, Topology, launcher_ranks_per_node, topology_for
+
+
+def test_ranks_are_laid_out_node_major():
+    t = Topology(world=6, per_node=2)
+    assert t.nodes == 3 and [t.node_of(r) for r in range(6)] == [0, 0, 1, 1, 2, 2]
+    assert [t.local_of(r) for r in range(6)] == [0, 1, 0, 1, 0, 1]
+    assert t.node_ranks(1) == [2, 3] and t.cross_ranks(1) == [1, 3, 5]
+    assert t.link([2, 3]) == INSIDE and t.link([1, 3, 5]) == ACROSS and t.link(range(6)) == ACROSS
+
+
+def test_a_layout_that_does_not_divide_the_world_is_refused_with_a_divisor():
+    with pytest.raises(ConfigError, match=r"dist.ranks_per_node=3 does not divide the world size 4: .*\(e.g. 2\)"):
+        Topology(world=4, per_node=3)
+    with pytest.raises(ConfigError, match="dist.ranks_per_node=3 does not divide the world size 4"):
+        compose(["dist.ranks_per_node=3"], world_size=4)
+    assert compose(["dist.ranks_per_node=2"], world_size=4).dist.ranks_per_node == 2
+
+
+def test_the_launcher_says_how_many_ranks_a_node_holds():
+    assert launcher_ranks_per_node(16, {"LOCAL_WORLD_SIZE": "8"}) == 8  # torchrun --nproc_per_node=8
+    assert launcher_ranks_per_node(8, {"SLURM_TASKS_PER_NODE": "4(x2)"}) == 4  # srun, 4 tasks on each of 2 nodes
+    assert launcher_ranks_per_node(8, {}) == 8  # no launcher: one node
+    assert topology_for(2, 4, {"LOCAL_WORLD_SIZE": "4"}).per_node == 2  # dist.ranks_per_node wins
+
+
+def test_the_counter_splits_bytes_by_link():
+    """4 ranks as 2 nodes x 2: an all-gather over a node's group stays inside, one over every rank
+    (or over the ranks sharing a local index) crosses; the ring's (n-1)/n of each group's size."""
+    counter = CommCounter(Topology(world=4, per_node=2))
+    counter.record("all_gather", 1000, 4, ranks=[0, 1])  # 4000 B over 2 ranks: 2000 B sent
+    counter.record("reduce_scatter", 1000, 4)  # every rank: 3000 B
+    counter.record("all_reduce", 1000, 4, ranks=[0, 2])  # across nodes: 2 · 4000 / 2
+    step = counter.pop_step()
+    assert step == {"all_gather": 2000.0, "reduce_scatter": 3000.0, "all_reduce": 4000.0, "total": 9000.0,
+                    "link/inside": 2000.0, "link/across": 7000.0}
+    one_node = CommCounter(Topology(world=4, per_node=4))
+    one_node.record("all_reduce", 10, 4)
+    assert "link/across" not in one_node.pop_step()  # a one-node job has one kind of link
+
+
+def test_host_placed_categories_are_counted_apart():
+    held = {"params": 10, "grads": 10, "master": 40, "optim_state": 80, "buffers": 1}
+    assert on_host(held, {"params": "device", "master": "host", "optim_state": "host"}) == 120
+    assert on_host(held, {}) == 0
