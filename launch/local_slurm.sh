@@ -14,7 +14,7 @@
 # already running on the machine is left alone: this cluster uses its own munge socket and its
 # own ports ($ZEROLAB_SLURM_PORT and the next one, default 16817/16818).
 #
-# Settings that make Slurm 22.05 run in a container without systemd or cgroups (see DESIGN.md):
+# Settings that make Slurm 22.05 run in a container without systemd or cgroups (docs/launch.md, "Trying Slurm on one machine"):
 # proctrack/linuxproc, task/none, select/cons_tres, no cgroup.conf, the node's real CPU count and
 # a RealMemory below the machine's.
 set -euo pipefail

@@ -14,7 +14,8 @@ Every fenced code block and inline code span of README.md and docs/**/*.md is re
 4. each relative link (README.md -> docs/page.md#anchor, page.md -> page.md#anchor) reaches a
    file and a heading whose anchor is the same on GitHub and on the MkDocs site.
 
-The last tests plant mistakes and check that each is reported."""
+Each command line's overrides also compose (Hydra's composition and zerolab's validation), for the
+world size it launches. The last tests plant mistakes and check that each is reported."""
 from __future__ import annotations
 
 import contextlib
@@ -246,6 +247,39 @@ def override_problems(text: str) -> list[str]:
     return [f"line {n}: {p}" for n, p in sorted(set(found))]
 
 
+# ---- 1b. every documented command's overrides compose ---------------------------------------------
+def _first_values(overrides: list[str]) -> list[str]:
+    """A sweep's comma lists (`-m strategy=ddp,zero1`) as their first value: the line composes
+    when each of its values does, and their options are checked one by one above."""
+    return [o.split(",")[0] if "=" in o and "{" not in o and "[" not in o else o for o in overrides]
+
+
+def composition_problems(text: str) -> list[str]:
+    """Each command line of the fenced blocks whose overrides name only real keys (check_override)
+    composed as train.py would compose it (Hydra's composition, then zerolab's validation), for
+    the world size the line launches (torchrun's --nproc_per_node or NPROC=, the launch scripts'
+    and `make run`'s default of 2 ranks on a CPU, else 1).
+    Hydra's own keys (hydra.*) are Hydra's, checked above; placeholders stay as written."""
+    from zerolab.config import compose
+
+    blocks, _ = split_markdown(text)
+    found = []
+    for n, line in [ln for start, body in blocks for ln in logical_lines(body, start)]:
+        toks = words(line)
+        overrides, bad = override_args(toks)
+        if not overrides or bad or any(map(check_override, overrides)):
+            continue
+        nproc = [t.split("=", 1)[1] for t in toks if t.startswith(("--nproc_per_node=", "NPROC="))]
+        launched = any(t.endswith(("launch/torchrun.sh", "launch/slurm.sbatch")) or t == "make" for t in toks)
+        world = int(nproc[0]) if nproc and nproc[0].isdigit() else 2 if launched else 1  # the scripts' default: 2
+        keep = [o for o in _first_values(overrides) if not o.lstrip("+~").startswith("hydra.")]
+        try:
+            compose(keep, world_size=world)
+        except Exception as err:  # noqa: BLE001  (Hydra's and zerolab's refusals alike)
+            found.append(f"line {n}: `{' '.join(keep)}` does not compose: {str(err).splitlines()[0][:200]}")
+    return found
+
+
 # ---- 2. python -m zerolab SUBCOMMAND --flag -----------------------------------------------------
 ZEROLAB = re.compile(r"-m zerolab(?![\w.])")
 
@@ -403,6 +437,18 @@ def test_docs_match_the_code(path):
     assert not found, f"{path.relative_to(ROOT)}:\n" + "\n".join(found)
 
 
+@pytest.mark.parametrize("path", DOC_FILES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_documented_overrides_compose(path):
+    found = composition_problems(path.read_text())
+    assert not found, f"{path.relative_to(ROOT)}:\n" + "\n".join(found)
+
+
+def test_a_line_that_does_not_compose_is_reported():
+    assert composition_problems(block("python train.py model.kwargs={dim:64} model=custom model.target=m:C")) == []
+    bad = composition_problems(block("python train.py data.global_batch=7 data.micro_batch=2"))
+    assert len(bad) == 1 and "does not compose" in bad[0] and "data.global_batch=7" in bad[0]
+
+
 def test_every_page_is_in_the_site_nav():
     import yaml  # (PyYAML: Hydra and OmegaConf depend on it)
 
@@ -493,3 +539,44 @@ def test_a_bad_flag_is_reported(snippet, expected):
 ])
 def test_a_bad_path_is_reported(snippet, expected):
     assert any(expected in p for p in problems(snippet)), problems(snippet)
+
+
+# ---- the home page is the README; code names only files that exist ------------------------------------
+def test_the_site_home_page_is_the_readme_not_a_copy():
+    """docs/index.md holds no text of its own (the hook fills it from README.md at build time), and
+    what the hook makes of the README links only to pages and anchors the site has."""
+    import importlib.util
+
+    own = COMMENT.sub("", (ROOT / "docs" / "index.md").read_text()).strip()
+    assert own == "", f"docs/index.md must stay empty (edit README.md instead): {own[:200]!r}"
+    assert "docs/hooks/readme.py" in (ROOT / "mkdocs.yml").read_text()
+    spec = importlib.util.spec_from_file_location("readme_hook", ROOT / "docs" / "hooks" / "readme.py")
+    hook = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hook)
+    home = hook.readme_as_home()
+    assert home.startswith("# zerolab") and "](docs/" not in home
+    assert link_problems(home, ROOT / "docs" / "index.md") == []
+
+
+SOURCES = [p for d in ("zerolab", "tests", "bench", "launch", "hydra_plugins", "conf") for p in (ROOT / d).rglob("*")
+           if p.suffix in (".py", ".sh", ".yaml", ".sbatch") and "__pycache__" not in p.parts] + \
+          [ROOT / "train.py", ROOT / "Makefile", ROOT / "pyproject.toml", ROOT / "bench" / "RESULTS.md"]
+SOURCES.remove(ROOT / "tests" / "test_docs.py")  # it plants missing names on purpose
+OTHER_PROJECTS = re.compile(r"torchtitan|pytorch/|microsoft/|huggingface/|Megatron")  # their docs/ are theirs
+NAMED_FILE = re.compile(r"(?<![\w/.-])((?:zerolab|tests|bench|launch|docs|conf)/[\w./-]*\.(?:py|md|yaml|sh|sbatch))")
+
+
+def test_code_and_comments_name_only_files_that_exist():
+    """A comment, docstring or message naming zerolab/x.py or docs/y.md points at a real file, and
+    nothing cites a design file outside the repository (the repository stands on its own)."""
+    missing = []
+    for path in SOURCES:
+        text = path.read_text(errors="replace")
+        for n, line in enumerate(text.splitlines(), 1):
+            if "DESIGN.md" in line:
+                missing.append(f"{path.relative_to(ROOT)}:{n}: cites DESIGN.md, which is not in the repository")
+            for m in NAMED_FILE.finditer("" if OTHER_PROJECTS.search(line) else line):
+                name = m.group(1).rstrip(".")
+                if "{" not in name and "<" not in name and "*" not in name and not (ROOT / name).exists():
+                    missing.append(f"{path.relative_to(ROOT)}:{n}: names {name}, which does not exist")
+    assert not missing, "\n".join(missing)

@@ -62,3 +62,28 @@ def test_predicting_deepspeed_does_not_import_it():
             "[predict(shape_from_params(1001), 'deepspeed', 2, 'bf16', stage=s) for s in (1, 2, 3)]; "
             "assert 'deepspeed' not in sys.modules, 'deepspeed was imported'")
     run_python("-c", code)
+
+
+def test_deepspeeds_prediction_follows_the_overrides_it_models_and_names_the_rest():
+    """strategy.ds_config_overrides reaches the prediction as it reaches DeepSpeed: a stage set
+    there, the persistence threshold (small tensors kept whole), the reduce bucket; a key it
+    does not model is named in a note, never silently ignored."""
+    from zerolab.accounting import ModelShape
+
+    shape = ModelShape("toy", ((0, (64, 64)), (0, (64,)), (0, (300, 400))))  # 4,096 + 64 + 120,000 elements
+    plain = predict(shape, "deepspeed", 2, "fp32", stage=3, state_elements=2)
+    kept = predict(shape, "deepspeed", 2, "fp32", stage=3, state_elements=2,
+                   settings={"ds_config_overrides": {"zero_optimization": {"stage3_param_persistence_threshold": 10_000}}})
+    assert kept.bytes()["params"] - plain.bytes()["params"] == (4096 + 64) * 4  # both small tensors, whole, fp32
+    staged = predict(shape, "deepspeed", 2, "fp32", stage=2, state_elements=2,
+                     settings={"ds_config_overrides": {"zero_optimization": {"stage": 3}}})
+    # a stage 3 asked for by the override alone runs with DeepSpeed's default threshold of 1e5
+    assert staged.bytes()["params"] == plain.bytes()["params"] + (4096 + 64) * 4
+    bucket = predict(shape, "deepspeed", 2, "fp32", stage=2, state_elements=2,
+                     settings={"ds_config_overrides": {"zero_optimization": {"reduce_bucket_size": 1000}}})
+    assert [t.bytes for t in bucket.terms if "reduce bucket" in t.what] == [4000]
+    odd = predict(shape, "deepspeed", 2, "fp32", stage=2, state_elements=2,
+                  settings={"ds_config_overrides": {"zero_optimization": {"offload_optimizer": {"device": "cpu"}},
+                                                    "steps_per_print": 10}})
+    assert odd.notes[-1].startswith("not modelled: strategy.ds_config_overrides sets zero_optimization.offload_optimizer")
+    assert "steps_per_print" not in odd.notes[-1]  # changes no byte

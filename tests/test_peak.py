@@ -78,8 +78,8 @@ def test_zero_transient_stays_within_its_prediction(tmp_path, one_rank, strategy
     measured = trainer.strategy.transient.peak()["backward"]
     assert last["rank0/mem/peak_transient_bytes"] == model_part + measured
     predicted = last["rank0/mem_pred/peak_transient_bytes"] - model_part
-    # Before the fix of zero.py's _launch_ready nothing was freed until backward ended: every
-    # bucket's copy and output at once, 2 × the padded gradient (948,224 bytes here).
+    # A sharder that freed nothing until backward ended would hold every bucket's copy and output
+    # at once, 2 × the padded gradient (948,224 bytes here): the bounds below tell the two apart.
     assert 0 < measured <= predicted
     if strategy == "zero2":
         assert measured < 2 * 4 * sum(b.size for b in trainer.strategy.buckets)

@@ -11,6 +11,8 @@ install`; the `deepspeed_ops` fixture (conftest) skips with the reason when they
 fails on CI).
 """
 
+import json
+
 import pytest
 
 from conftest import (ROOT, TORCHRUN, load_weights, read_metrics, rel_l2_diff, run_process, run_python,
@@ -154,3 +156,22 @@ def test_deepspeed_settings_it_cannot_honour_are_config_errors(tmp_path, deepspe
                       check=False)
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "strategy.client_optimizer=true" in proc.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("override, kept", [
+    ("strategy.ds_config_overrides={zero_optimization:{stage3_param_persistence_threshold:100000}}", True),
+    ("strategy.ds_config_overrides={zero_optimization:{reduce_bucket_size:1000}}", False)])
+def test_deepspeed_overrides_are_in_the_ledger(tmp_path, deepspeed_ops, override, kept):
+    """A run whose ds_config_overrides change what DeepSpeed holds is checked against a prediction
+    that follows them: measured equals predicted on every rank, no ledger warning. Stage 3 with
+    DeepSpeed's own persistence threshold keeps gpt_tiny's small tensors whole on every rank."""
+    run = tmp_path / "run"
+    run_train(run, 2, *COMMON, "strategy=deepspeed", "strategy.stage=3", override, "trainer.max_steps=2")
+    ledger = json.loads((run / "summary.json").read_text())["memory_ledger"]
+    measured = json.loads((run / "summary.json").read_text())["memory_per_rank"]
+    assert ledger["warnings"] == []
+    for r, pred in enumerate(ledger["predicted_bytes_per_rank"]):
+        assert measured[r]["mem/model_states_bytes"] == pred["model_states"], (r, measured[r], pred)
+    whole = [t for t in ledger["predicted"]["terms"] if "kept whole on every rank" in t["what"]]
+    assert bool(whole) == kept

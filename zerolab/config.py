@@ -12,18 +12,17 @@ optimizer, precision or model, as its schema field declares (schema.setting's `a
 from __future__ import annotations
 
 import logging
-import os
 import re
 from typing import List, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
-from zerolab.errors import ConfigError
+from zerolab.errors import ConfigError, launch_rank
 from zerolab.schema import (BY_STRATEGY, DATA_KINDS, DECAYS, FAULT_MODES, FAULT_PHASES, LR_SCALING, MODEL_KINDS,
                             OPTIMIZERS, PRECISIONS, RECORD_CUT, WANDB_MODES, Config, DataConfig, DistConfig,
                             FaultConfig, LoggingConfig, ModelConfig, OptimConfig, PrecisionConfig, _choice, _positive,
                             applies_rules, default_of, global_batch, value_of, world_size_from_env)
-from zerolab.schema_keys import CONF_DIR, check_keys, check_overrides, config_groups, suggest
+from zerolab.schema_keys import CONF_DIR, check_keys, check_overrides, config_groups, free_dicts_merge, suggest
 from zerolab.strategies import REGISTRY, strategy_class
 from zerolab.topology import Topology
 
@@ -197,7 +196,7 @@ def warn_unused_settings(cfg: Config, strategy) -> list[str]:
     """One warning per setting that has no effect (unused_settings), from the first process of a
     job only (RANK 0 or unset), and once per process however often the config is validated.
     Returns the messages logged."""
-    if os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) != "0":
+    if launch_rank() != 0:
         return []
     said = []
     for key, value, why in unused_settings(cfg, strategy):
@@ -221,11 +220,11 @@ def compose(overrides: List[str] = (), config_dir: Optional[str] = None, world_s
     config_dir = config_dir or CONF_DIR
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=config_dir, version_base="1.3"):
-        dcfg = hydra_compose(config_name="config", overrides=list(overrides))
+        dcfg = hydra_compose(config_name="config", overrides=free_dicts_merge(overrides))
     return validate(dcfg, world_size)
 
 
 # What the rest of zerolab and the tests import from here (the schema's names, checked).
 __all__ = ["Config", "ConfigError", "DataConfig", "DistConfig", "FaultConfig", "LoggingConfig", "ModelConfig",
            "OPTIMIZERS", "OptimConfig", "PrecisionConfig", "check_overrides", "compose", "config_groups",
-           "global_batch", "suggest", "validate"]
+           "free_dicts_merge", "global_batch", "suggest", "validate"]

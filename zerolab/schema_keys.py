@@ -124,3 +124,17 @@ def check_keys(cfg: DictConfig, prefix: str = "") -> None:
         if isinstance(SCHEMA_KEYS[key], type) and isinstance(node, DictConfig) and not node._is_missing() \
                 and not node._is_none():
             check_keys(node, key + ".")
+
+
+def free_dicts_merge(overrides: Iterable[str]) -> list[str]:
+    """`key={...}` for a free-form dict of the schema (model.kwargs, strategy.ds_config_overrides)
+    as Hydra's `++key={...}`: a structured config refuses keys its schema does not declare, and a
+    free-form dict declares none, so Hydra would reject the plain form ("Could not override") and
+    advise `+`. Given as `++` the value is merged into the dict. Other overrides pass unchanged."""
+    out = []
+    for arg in overrides:
+        key, eq, _ = arg.partition("=")
+        if eq and not key.startswith(("+", "~")) and SCHEMA_KEYS.get(key) == FREE:
+            arg = "++" + arg
+        out.append(arg)
+    return out

@@ -27,7 +27,7 @@ import torch
 import torch.nn as nn
 
 from zerolab import ds_ops
-from zerolab.accounting import ModelShape, NotPredicted, StorageCounter, ceil_div, dtype_name, fmt_n
+from zerolab.accounting import NotPredicted, StorageCounter
 from zerolab.buckets import bucket_cap
 from zerolab.errors import ConfigError, ZerolabError
 from zerolab.precision import COMPUTE_BYTES
@@ -35,6 +35,7 @@ from zerolab.numerics import StepInfo
 from zerolab.schema import DeepSpeedSettings
 from zerolab.strategies.base import OptimizerFactory, Strategy, Traits, larger_of, set_lr
 from zerolab.strategies.deepspeed_checkpoint import DeepSpeedCheckpointing
+from zerolab.strategies.deepspeed_memory import ds_zero_config, predict_ds_memory
 
 INSTALL_HINT = "pip install deepspeed==0.19.8"
 
@@ -295,8 +296,10 @@ class DeepSpeedStrategy(DeepSpeedCheckpointing, Strategy):
     def _measure(self) -> dict[str, int]:
         o, c = self.optimizer, StorageCounter()
         params = list(self.module.parameters())
-        if self.settings.stage == 3:
+        if self.ds_config["zero_optimization"]["stage"] == 3:  # (an override may set it)
             c.add("params", (getattr(p, "ds_tensor", p) for p in params))
+            # parameters under stage3_param_persistence_threshold stay whole on every rank
+            c.add("params", (p.data for p in params if getattr(p, "ds_persist", False)))
             fp32 = getattr(o, "fp32_partitioned_groups_flat", [])
             c.add("master", fp32)
             c.add("grads", (t.grad for t in fp32))
@@ -348,85 +351,11 @@ class DeepSpeedStrategy(DeepSpeedCheckpointing, Strategy):
         return f"deepspeed-{stage}", stage
 
     @classmethod
-    def predict_memory(cls, p, shape, *, world, precision, k, stage, bucket_mb, rank, **_) -> None:
-        """DeepSpeed 0.19 as it allocates (runtime/zero/stage_1_and_2.py, stage3.py), at the moment of the
-        optimizer update, where its model states peak."""
-        n, c, dt, N = shape.n_params, COMPUTE_BYTES[precision], dtype_name(precision), world
+    def predict_memory(cls, p, shape, *, world, precision, k, stage, bucket_mb, rank, settings, **_) -> None:
+        """DeepSpeed 0.19 as it allocates, at the moment of the optimizer update, where its model
+        states peak, for the zero_optimization config the run gives it (strategies/deepspeed_memory.py)."""
         if precision == "bf16_pure":
             raise NotPredicted("DeepSpeed has no bf16_pure mode (its bf16 ZeRO keeps fp32 master weights); "
                                "use --precision bf16")
-        if shape.buffer_bytes:  # (RoPE's inv_freq in a transformers model: memory() counts module.buffers())
-            p.add("buffers", shape.buffer_bytes, "model buffers")
-        if stage in (1, 2):
-            # Each group's flat 16-bit buffer is padded to a multiple of 2N (4-byte alignment of fp16
-            # partitions); every rank owns 1/N of it.
-            padded = [ceil_div(g, 2 * N) * 2 * N for g in shape.group_numels]
-            part = sum(g // N for g in padded)
-            p.add("params", sum(padded) * c,
-                  f"{dt} flat weight buffer, padded to a multiple of 2N: {fmt_n(sum(padded))} × {c}")
-            # With overlap_comm (zerolab's default) stage 1 reduces during backward like stage 2: the
-            # rank keeps the gradients of the tensors that overlap its partition, whole.
-            owned = ds_grads_in_partition(shape, N, rank)
-            p.add("grads", owned * c, f"{dt} gradients of the tensors overlapping this partition, whole "
-                                      f"(grads_in_partition): {fmt_n(owned)} × {c}")
-            p.add("transient", part * 4, f"fp32 gradient partition, alive inside step() only: {fmt_n(part)} × 4", when="step")
-            p.add("master", part * 4, f"fp32 weight partition (kept even in fp32 training): {fmt_n(part)} × 4")
-            p.add("optim_state", part * k * 4, f"optimizer state of the partition: {fmt_n(part)} × {k:g} × 4")
-            p.add("transient", min(bucket_cap(bucket_mb, c) * c, n * c),
-                  f"{dt} reduce bucket during backward (reduce_bucket_size = strategy.bucket_mb)")
-            p.why = (("with overlap_comm stage 1 frees the gradients outside its partition, as stage 2 does "
-                      "(the paper's stage 1 keeps all of them); " if stage == 1 else "")
-                     + f"the tensors overlapping the partition keep whole {dt} gradients; flat buffers padded to 2N; "
-                     + ("an fp32 weight partition (4Ψ/N) even in fp32 training; " if precision == "fp32" else "")
-                     + "the fp32 gradient partition (4Ψ/N) exists inside step() only (transient, not counted)")
-            p.notes.append("with overlap_comm, stage 1 frees gradients outside its partition during backward, "
-                           "as stage 2 does; vs the paper: an fp32 gradient partition (4Ψ/N) exists during step() "
-                           f"on top of the {dt} gradients" + ("; in fp32 training the fp32 partition duplicates the weights (4Ψ/N)"
-                                                if precision == "fp32" else ""))
-            return
-        # Stage 3: every tensor is padded to a multiple of N and partitioned on its own; tensors of at most
-        # 1e5 elements (stage3_param_persistence_threshold) also stay whole on every rank.
-        sizes = [math.prod(s) for s in shape.shapes]
-        part = sum(ceil_div(x, N) for x in sizes)
-        persistent = sum(x for x in sizes if x <= DS_PERSISTENCE_THRESHOLD)
-        p.add("params", part * c, f"{dt} weight partitions, each tensor padded to N: {fmt_n(part)} × {c}")
-        if persistent:
-            p.add("params", persistent * c, f"small tensors kept whole on every rank: {fmt_n(persistent)} × {c}")
-        p.add("grads", part * c, f"{dt} gradient partitions (flat buffer): {fmt_n(part)} × {c}")
-        p.add("transient", part * 4, f"fp32 gradient partition, alive inside step() only: {fmt_n(part)} × 4", when="step")
-        p.add("master", part * 4, f"fp32 weight partition (kept even in fp32 training): {fmt_n(part)} × 4")
-        p.add("optim_state", part * k * 4, f"optimizer state of the partition: {fmt_n(part)} × {k:g} × 4")
-        p.add("transient", min(bucket_cap(bucket_mb, c) * c, n * c),
-              f"{dt} reduce bucket during backward (reduce_bucket_size = strategy.bucket_mb)")
-        biggest = max(sizes)
-        p.add("transient", biggest * c, "weights all-gathered for the module being computed (largest tensor)")
-        p.why = ("each tensor padded to N; " + ("an fp32 weight partition (4Ψ/N) even in fp32 training; "
-                                                if precision == "fp32" else "")
-                 + "the fp32 gradient partition (4Ψ/N) exists inside step() only (transient, not counted)")
-        p.notes.append("vs the paper: the fp32 gradient partition (4Ψ/N) during step(); with DeepSpeed's default "
-                       "stage3_param_persistence_threshold (1e5, zerolab sets 0) small tensors also stay whole on "
-                       "every rank")
-
-
-# DeepSpeed stage 3 keeps tensors of at most this many elements whole on every rank. DeepSpeed's
-# default is 1e5; zerolab's deepspeed strategy sets stage3_param_persistence_threshold to 0.
-DS_PERSISTENCE_THRESHOLD = 0
-
-
-def ds_grads_in_partition(shape: ModelShape, world: int, rank: int) -> int:
-    """Elements of DeepSpeed 1/2's 16-bit gradient buffer on `rank` (grads_in_partition): every
-    tensor that overlaps the rank's partition of its group's flat buffer, whole."""
-    if not shape.exact:
-        return sum(ceil_div(x, 2 * world) * 2 for x in shape.group_numels)
-    total = 0
-    for g, numel in enumerate(shape.group_numels):
-        part = ceil_div(numel, 2 * world) * 2  # padded to 2N, split in N
-        lo, hi, off = rank * part, (rank + 1) * part, 0
-        for gi, s in shape.tensors:
-            if gi != g:
-                continue
-            x = math.prod(s)
-            if off < hi and off + x > lo:
-                total += x
-            off += x
-    return total
+        zero = ds_zero_config(settings, stage, bucket_cap(bucket_mb, COMPUTE_BYTES[precision]))
+        predict_ds_memory(p, shape, zero, world=world, precision=precision, k=k, rank=rank)

@@ -38,14 +38,12 @@ class DeepSpeedCheckpointing(NativeCheckpoint):
     checkpoint_globals = DEEPSPEED_GLOBALS
 
     def save_native(self, directory: str) -> None:
-        import os
-
         self.engine.save_checkpoint(directory, tag=DS_TAG, save_latest=False)
         # DeepSpeed's global rank 0 also copies its recovery scripts (zero_to_fp32.py,
         # zero_to_torch.py) beside the tag, before save_checkpoint returns there. A checkpoint is
         # data, never code (export runs the installed DeepSpeed's consolidation): they go. Only the
         # rank that wrote them removes them: another rank listing the directory could see a script
-        # that rank 0 removes before it does (a CI run failed on exactly that race). Only *.py:
+        # that rank 0 removes before it does, and fail on its missing file. Only *.py:
         # other ranks may be writing their rank files already.
         if self.engine.global_rank != 0:
             return
