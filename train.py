@@ -8,18 +8,47 @@ divide, unusable data, a run directory another job holds) exits with code 2, the
 before any process group is created. A failure zerolab can explain (zerolab.errors.ZerolabError)
 is printed as one paragraph without a traceback (ZEROLAB_DEBUG=1 shows it) and exits with its
 code. Under torchrun only rank 0 prints a message every rank shares (zerolab.errors.exit_for).
+
+Under bare torchrun that code is the worker's, not the command's: torchrun's launcher raises
+ChildFailedError for any worker that exits non-zero (torch/distributed/launcher/api.py), so the
+command exits 1 after torchrun's own traceback and failure block, whatever the ranks do. What a
+rank can do is tell that block why: the rank that says the message also writes it into the
+error file torchrun gives each worker (TORCHELASTIC_ERROR_FILE), and the block's "Root Cause"
+shows it beside exitcode 2, at the foot of the output. launch/torchrun.sh checks the config
+before torchrun starts and exits 2 with the paragraph alone (docs/launch.md).
 """
+import json
 import os
 import sys
+import time
 import traceback
 
 import hydra
 from omegaconf import DictConfig
 
-from zerolab.config import ConfigError, check_overrides, config_groups
-from zerolab.errors import ZerolabError, debug_enabled, exit_for
+from zerolab.config import ConfigError, check_overrides, config_groups, free_dicts_merge
+from zerolab.errors import ZerolabError, debug_enabled, exit_for, launch_rank
 
 _task_started = False
+
+
+def _exit(err: BaseException, every_rank_alike: bool = False) -> None:
+    """zerolab.errors.exit_for, after the rank that says the message has written it where torchrun
+    shows it (the module's docstring). Without torchrun there is no such file."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if path and not (every_rank_alike and launch_rank() != 0):
+        code = 2 if isinstance(err, ConfigError) else getattr(err, "exit_code", 1)
+        # The paragraph as printed, under a head of its own: the printed one stays the only line that
+        # starts "zerolab: configuration error:" (or "zerolab: error:"), the block says the code.
+        body = str(err).removeprefix("zerolab: ")
+        text = f"zerolab exited {code}: {body}"
+        try:
+            with open(path, "w") as fh:  # torchelastic's format: its py_callstack is what the block shows
+                json.dump({"message": {"message": text, "extraInfo": {"py_callstack": text,
+                                                                      "timestamp": str(int(time.time()))}}}, fh)
+        except OSError:
+            pass  # the message is printed all the same; only torchrun's summary lacks it
+    exit_for(err, every_rank_alike=every_rank_alike)
 
 
 @hydra.main(config_path="conf", config_name="config", version_base="1.3")
@@ -33,7 +62,7 @@ def main(cfg: DictConfig) -> None:
     except (ConfigError, ZerolabError) as err:
         # Every rank met it alike: before the process group (configuration), or shared after it
         # (rank 0 has said it): the other ranks then leave when the launcher stops the job.
-        exit_for(err, every_rank_alike=getattr(err, "before_ranks_meet", False) or err.same_on_every_rank)
+        _exit(err, every_rank_alike=getattr(err, "before_ranks_meet", False) or err.same_on_every_rank)
 
 
 def _check_command_line() -> None:
@@ -44,7 +73,9 @@ def _check_command_line() -> None:
     try:
         check_overrides(overrides, config_groups())
     except ConfigError as err:
-        exit_for(err, every_rank_alike=True)
+        _exit(err, every_rank_alike=True)
+    # model.kwargs={...} and strategy.ds_config_overrides={...} as written: Hydra takes them as ++
+    sys.argv[1:] = free_dicts_merge(sys.argv[1:])
 
 
 if __name__ == "__main__":
@@ -61,7 +92,7 @@ if __name__ == "__main__":
             sys.exit(2)
         raise
     except ZerolabError as err:  # a failed job of a sweep (hydra_plugins/zerolab_torchrun): said, exit 1
-        exit_for(err)
+        _exit(err)
     except Exception as err:  # with HYDRA_FULL_ERROR=1 Hydra re-raises instead of exiting
         if _task_started:
             raise
@@ -72,4 +103,4 @@ if __name__ == "__main__":
         # Hydra's message, without its internals (the full_key, reference_type, object_type lines)
         text = "\n".join(line for line in f"{err}{cause}".splitlines()
                          if not line.strip().startswith(("full_key:", "reference_type=", "object_type=")))
-        exit_for(ConfigError(text), every_rank_alike=True)
+        _exit(ConfigError(text), every_rank_alike=True)

@@ -24,6 +24,7 @@ from zerolab.checkpoint import check_resume_path, checkpoint_dir  # noqa: E402
 from zerolab.config import ConfigError, check_overrides, compose, config_groups  # noqa: E402
 from zerolab.data import check_token_file  # noqa: E402
 from zerolab.job import model_preflight  # noqa: E402
+from zerolab.models.sources import vocab_fix  # noqa: E402
 from zerolab.run.directory import new_run_dir  # noqa: E402
 
 
@@ -48,7 +49,8 @@ def choose(overrides: list[str]) -> str:
         # A given token file that cannot give a window of each split, or holds a token the model's
         # vocabulary lacks: exit 2 here, seconds after the launch, not after every rank has started
         # (the ranks check it again themselves).
-        check_token_file(cfg.data.path, cfg.model.block_size, cfg.data.val_fraction, cfg.model.vocab_size)
+        check_token_file(cfg.data.path, cfg.model.block_size, cfg.data.val_fraction, cfg.model.vocab_size,
+                         vocab_fix(cfg.model))
     path = os.path.abspath(cfg.run.dir or requeued_run_dir(cfg) or new_run_dir(cfg))
     runlock.check_free(path)  # a held directory: refuse before the launcher writes logs into it
     record.check(cfg, path, checkpoint_dir(cfg, path))  # another run's record: a fresh start here is refused

@@ -580,3 +580,12 @@ def test_code_and_comments_name_only_files_that_exist():
                 if "{" not in name and "<" not in name and "*" not in name and not (ROOT / name).exists():
                     missing.append(f"{path.relative_to(ROOT)}:{n}: names {name}, which does not exist")
     assert not missing, "\n".join(missing)
+
+
+def test_the_strategy_tables_list_every_registered_strategy():
+    """README's table of strategies and the reference strategies' page come from nobody's memory:
+    every name in the registry has its row, and no row names a strategy that is not registered."""
+    from zerolab.strategies import REGISTRY
+
+    rows = set(re.findall(r"^\| `(\w+)` \|", (ROOT / "README.md").read_text(), re.M))
+    assert rows == set(REGISTRY), f"README's strategy table: missing {set(REGISTRY) - rows}, unknown {rows - set(REGISTRY)}"

@@ -5,6 +5,8 @@ import json
 
 import pytest
 
+from zerolab.strategies import names_where
+
 from conftest import read_metrics, run_train
 
 pytestmark = pytest.mark.slow  # every test here starts processes (see conftest: tiers)
@@ -31,7 +33,7 @@ def check_run(run_dir, nproc):
     return first, ledger
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "zero1", "zero2", "zero3"])
+@pytest.mark.parametrize("strategy", names_where(checkpoint_format="pieces", rehearsable=""))  # ddp, zero1-3
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16", "bf16_pure"])
 def test_measured_matches_predicted(tmp_path, strategy, precision):
     run = tmp_path / "run"

@@ -7,14 +7,23 @@ import sys
 # Each command lives with the code it serves: "module:function(argv) -> exit code", and a line
 # for `python -m zerolab --help`.
 COMMANDS = {
-    "data": ("zerolab.data.cli:cli_main", "prepare a token file from text files, byte-level or with a tokenizer.json (data prepare --src ... --out ...)"),
+    "data": ("zerolab.data.cli:cli_main",
+             "prepare a token file from text files, byte-level or with a tokenizer.json "
+             "(data prepare --src ... --out ...)"),
     "lr": ("zerolab.optim.cli:lr_main", "the peak learning rate a batch-size scaling rule gives"),
-    "optim-state": ("zerolab.memory.cli:optim_state_main", "state elements per parameter each optimizer keeps, measured"),
-    "memory": ("zerolab.memory:cli_main", "predicted bytes per rank by category, for any model, strategy and world size"),
-    "dry-run": ("zerolab.rehearsal:cli_main", "rehearse rank R of an N-rank job in one process on fake tensors: the memory a real run counts, beside the ledger"),
-    "plan": ("zerolab.plan:cli_main", "will it fit: largest micro-batch and peak per rank for each strategy, under a GPU's memory"),
+    "optim-state": ("zerolab.memory.cli:optim_state_main",
+                    "state elements per parameter each optimizer keeps, measured"),
+    "memory": ("zerolab.memory:cli_main",
+               "predicted bytes per rank by category, for any model, strategy and world size"),
+    "dry-run": ("zerolab.rehearsal:cli_main",
+                "rehearse rank R of an N-rank job in one process on fake tensors: the memory a real run counts, "
+                "beside the ledger"),
+    "plan": ("zerolab.plan:cli_main",
+             "will it fit: largest micro-batch and peak per rank for each strategy, under a GPU's memory"),
     "compare": ("zerolab.report:cli_main", "compare run or sweep directories: tables, parity, figures"),
-    "export": ("zerolab.checkpoint:export_main", "consolidated safetensors weights from a (sharded) checkpoint"),
+    "export": ("zerolab.checkpoint:export_main",
+               "consolidated weights (safetensors, or --format hf for from_pretrained) from a finished run's directory "
+               "or a (sharded) checkpoint"),
 }
 
 

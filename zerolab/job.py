@@ -21,6 +21,7 @@ from zerolab.data import check_data
 from zerolab.errors import ZerolabError, report
 from zerolab.run.fault import RankStopped, stop_now
 from zerolab.models import preflight
+from zerolab.models.sources import vocab_fix
 from zerolab.run.results import save_model_config
 from zerolab.strategies import strategy_class
 from zerolab.trainer import Trainer
@@ -51,7 +52,8 @@ def run(dcfg: DictConfig | Config) -> Optional[dict]:
     try:
         # User input that would only fail later (in the first batch or the final eval) fails now,
         # on every rank alike, before the run directory is touched.
-        zdist.agree(ctx, lambda: check_data(cfg.data, cfg.model.block_size, cfg.model.vocab_size))
+        zdist.agree(ctx, lambda: check_data(cfg.data, cfg.model.block_size, cfg.model.vocab_size,
+                                            vocab_fix(cfg.model)))
         run_dir, lock = rundir.claim(cfg, ctx)
         try:
             trainer = Trainer(cfg, ctx, run_dir=run_dir)

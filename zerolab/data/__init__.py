@@ -37,11 +37,12 @@ def token_path(cfg: DataConfig) -> str:
     return cfg.path or embedded_corpus(cfg.cache_dir)
 
 
-def check_data(cfg: DataConfig, block_size: int, vocab_size: int) -> None:
+def check_data(cfg: DataConfig, block_size: int, vocab_size: int, fix=None) -> None:
     """Before anything is built: the data gives at least one window of each split, and its
-    largest token is below the model's vocabulary (from the sidecar, else one scan)."""
+    largest token is below the model's vocabulary (from the sidecar, else one scan). `fix`: how
+    to give the model more rows where that is not model.vocab_size (tokens.check_vocab)."""
     if cfg.kind == "text":
-        check_token_file(token_path(cfg), block_size, cfg.val_fraction, vocab_size)
+        check_token_file(token_path(cfg), block_size, cfg.val_fraction, vocab_size, fix)
 
 
 def build_data(cfg: DataConfig, block_size: int, vocab_size: int, seed: int):

@@ -22,7 +22,7 @@ import json
 import math
 import os
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy as np
 import torch
@@ -207,25 +207,29 @@ def largest_token(tf: TokenFile) -> tuple[int, str]:
     return scan_max(tf.path, tf.dtype), "found by scanning the file"
 
 
-def check_vocab(tf: TokenFile, vocab_size: int) -> None:
-    """Every token must index a row of the model's embedding: the largest below model.vocab_size."""
+def check_vocab(tf: TokenFile, vocab_size: int, fix: Optional[Callable[[int], str]] = None) -> None:
+    """Every token must index a row of the model's embedding: the largest below model.vocab_size.
+    `fix`: need -> the advice where model.vocab_size is not what sets the model's vocabulary
+    (model=hf: its transformers config's vocab_size; zerolab.models.sources.vocab_fix)."""
     top, where = largest_token(tf)
     if top < vocab_size:
         return
     tok_vocab = (tf.sidecar or {}).get("vocab_size")
     need = max(top + 1, tok_vocab or 0)
     tokenizer = f"; its tokenizer's vocabulary is {tok_vocab}" if tok_vocab else ""
-    raise ConfigError(f"token file {tf.path} holds token {top} ({where}{tokenizer}), which is not below "
-                      f"model.vocab_size={vocab_size}: the model has no embedding row for it. Set "
-                      f"model.vocab_size={need} or more, or prepare the data with a tokenizer whose "
-                      f"vocabulary is at most {vocab_size}.")
+    below = f"the model's vocabulary ({vocab_size} tokens)" if fix else f"model.vocab_size={vocab_size}"
+    advice = fix(need) if fix else (f"Set model.vocab_size={need} or more, or prepare the data with a tokenizer "
+                                    f"whose vocabulary is at most {vocab_size}.")
+    raise ConfigError(f"token file {tf.path} holds token {top} ({where}{tokenizer}), which is not below {below}: "
+                      f"the model has no embedding row for it. {advice}")
 
 
-def check_token_file(path: str, block_size: int, val_fraction: float,
-                     vocab_size: Optional[int] = None) -> tuple[TokenFile, Optional[TokenFile]]:
+def check_token_file(path: str, block_size: int, val_fraction: float, vocab_size: Optional[int] = None,
+                     fix: Optional[Callable[[int], str]] = None) -> tuple[TokenFile, Optional[TokenFile]]:
     """Raise ConfigError unless data.path (a token file or a nanoGPT directory) gives at least one
     window of block_size+1 tokens in each split and, when `vocab_size` is given, holds no token
-    at or above it. The message names the file, the sizes and the fix. Returns the layout."""
+    at or above it. The message names the file, the sizes and the fix (`fix`: check_vocab's).
+    Returns the layout."""
     train, val = token_layout(path)
     if val is None:
         _check_single_file_windows(path, train.n_tokens, block_size, val_fraction)
@@ -234,7 +238,7 @@ def check_token_file(path: str, block_size: int, val_fraction: float,
         _check_split_file_windows(val, "validation", block_size)
     if vocab_size is not None:
         for tf in (train, val) if val is not None else (train,):
-            check_vocab(tf, vocab_size)
+            check_vocab(tf, vocab_size, fix)
     return train, val
 
 

@@ -25,7 +25,7 @@ import importlib
 import json
 import os
 import re
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn as nn
@@ -135,6 +135,26 @@ def hf_config(m: ModelConfig, training: bool = True):
     return config
 
 
+def vocab_fix(m: ModelConfig) -> Optional[Callable[[int], str]]:
+    """For the data check's refusal of a token the model's vocabulary lacks: need -> the fix that
+    gives the model `need` embedding rows, where that is not model.vocab_size (the data check's
+    own advice); None where it is. Under model=hf the vocabulary is the transformers config's
+    vocab_size (model.vocab_size is refused there: resolve_hf), so that is what it names, in the
+    config.json it was read from."""
+    if m.kind != "hf":
+        return None
+    path = config_file(m.config)
+    local = os.path.isdir(m.config) or os.path.abspath(path) == os.path.abspath(m.config)
+    where = path if local else f"a copy of {path} (the cached config of {m.config}), given as model.config"
+
+    def fix(need: int) -> str:
+        return (f"Under model=hf the vocabulary is the transformers config's vocab_size (model.vocab_size cannot "
+                f"change it): set \"vocab_size\": {need} or more in {where}, or give model.config a config whose "
+                f"vocab_size is at least {need}; or prepare the data with a tokenizer whose vocabulary is at most "
+                f"{m.vocab_size}.")
+    return fix
+
+
 def position_limit(config) -> Optional[int]:
     """The longest window the config's position embeddings cover (None: not stated)."""
     limit = getattr(config, "max_position_embeddings", None)  # GPT-2 maps it to n_positions
@@ -148,7 +168,8 @@ def resolve_hf(m: ModelConfig) -> None:
     vocab = config.get_text_config().vocab_size
     if m.vocab_size not in (vocab, default_of("model.vocab_size")):
         raise ConfigError(f"model.vocab_size={m.vocab_size}, but model.config={m.config} has vocab_size {vocab}: "
-                          "a model=hf vocabulary is its config's; leave model.vocab_size unset")
+                          "a model=hf vocabulary is its config's; leave model.vocab_size unset (a larger vocabulary: "
+                          f"set \"vocab_size\" in {config_file(m.config)}, or give a config that has it)")
     m.vocab_size = vocab
     limit = position_limit(config.get_text_config())
     if limit is not None and m.block_size > limit:

@@ -11,18 +11,17 @@ from typing import Optional
 
 from zerolab.report.figures import plot_breakdown, plot_comm, plot_loss, plot_loss_diff, plot_memory, plot_step_time
 from zerolab.report.intervals import bootstrap_ratio
+from zerolab.report.load import job_loads, judge
 from zerolab.report.parity import parity
 from zerolab.report.runs import (Run, compute_stats, find_run_dirs, label_runs, load_run, merge_rounds,
                                  strategy_class, sweep_info)
-from zerolab.report.tables import breakdown_table, machine_line, memory_table, parity_table, peak_table, summary_table, \
-    timing_table
+from zerolab.report.tables import (LEGEND, breakdown_table, machine_line, memory_table, parity_table, peak_table,
+                                   summary_table, timing_table)
 
 
 # What each section of report.md says before its table.
-INTRO = ("Step times exclude the first step; p50 ÷ base is the median step time over the baseline's, "
-         "with its 95 % bootstrap interval (~: within noise). Memory is the measured model states on rank 0 (the "
-         "predicted ledger in brackets, when the run logged one). Comm is bytes sent by rank 0 per step, ring-cost "
-         "model, against 2Ψ(N−1)/N × gradient bytes.\n")
+INTRO = ("Step times exclude the first step; p50 ÷ base is the median step time over the baseline's, with its 95 % "
+         "bootstrap interval. Comm is counted in the ring-cost model (zerolab.comm). " + LEGEND + "\n")
 PARITY = ("Function space first: every run evaluated the same fixed held-out batches at the end "
           "(zerolab.digest); Δeval-loss is the largest per-batch loss difference, max abs Δlogit the "
           "largest logit difference (in brackets: relative to the baseline's largest logit). Then the "
@@ -32,8 +31,12 @@ PARITY = ("Function space first: every run evaluated the same fixed held-out bat
           "zero) drift apart under any change of summation order: they are listed apart, with their Δ, and "
           "do not decide the verdict. Tolerances: fp32 1e-4 (function) / 1e-5 (weights); 16-bit loosely.\n")
 TIMING = ("Ratio of p50 step times with a 95 % bootstrap interval (resampling rounds, then steps within "
-          "them; seeded, so the same data gives the same verdict). \"within noise\" unless the interval "
-          "excludes 1.0. With one round the interval holds only the spread between steps of each run, "
+          "them; seeded, so the same data gives the same verdict); per round: the ratio within each round (the "
+          "two runs of one round ran minutes apart). \"within noise\" unless the interval excludes 1.0. "
+          "\"not called\" when the machine was busier than its cores during a job of either run "
+          "(the mean of runnable processes over the job, read from the 1-minute load average before and after it "
+          "in sweep.json, above max(cores, ranks) + 0.5): a load slows one job and not another, and no interval "
+          "holds that. With one round the interval holds only the spread between steps of each run, "
           "not a change of the machine's load between runs: run the sweep with hydra.launcher.rounds=2 "
           "(or more) to pool rounds in alternating order.\n")
 PEAK = ("Measured: the model states the strategy holds + the activations saved for backward (measured) + the "
@@ -56,6 +59,7 @@ def load_runs(paths: list[str], baseline: Optional[str] = None) -> tuple[list[Ru
     if not dirs:
         raise FileNotFoundError(f"no run directories (with metrics.jsonl) under {', '.join(paths)}")
     rounds, loads = sweep_info(paths)
+    jobs = job_loads(paths)
     runs = [load_run(d) for d in dirs]
     for r in runs:
         r.round = rounds.get(r.path.resolve(), 0)
@@ -71,7 +75,7 @@ def load_runs(paths: list[str], baseline: Optional[str] = None) -> tuple[list[Ru
     else:
         base = next((r for r in runs if getattr(strategy_class(r.strategy), "reference", False)), runs[0])
     for r in runs:
-        r.stats["timing"] = bootstrap_ratio(r.stats["rounds"], base.stats["rounds"])
+        r.stats["timing"] = judge(bootstrap_ratio(r.stats["rounds"], base.stats["rounds"]), r, base, jobs)
     return runs, base, loads
 
 
@@ -149,7 +153,8 @@ def cli_main(argv: list[str]) -> int:
                                 description="compare zerolab runs: report.md + PNGs (loss, memory, time, comm, parity)")
     p.add_argument("paths", nargs="+", help="run directories and/or sweep directories")
     p.add_argument("--out", default="report", help="output directory (default: report/)")
-    p.add_argument("--baseline", default=None, help="label or strategy of the baseline run (default: the reference strategy's run)")
+    p.add_argument("--baseline", default=None,
+                   help="label or strategy of the baseline run (default: the reference strategy's run)")
     p.add_argument("--wandb", default="runs", choices=["runs", "auto", "online", "offline", "disabled"],
                    help="log figures to wandb; 'runs' (default): as the runs were configured")
     p.add_argument("--fail-on-mismatch", action="store_true", help="exit 1 when a parity check fails")
@@ -167,6 +172,7 @@ def cli_main(argv: list[str]) -> int:
         print(f"zerolab compare: {err}", file=sys.stderr)
         return 2
     print(result["table"])
+    print(LEGEND)
     if result["breakdown_table"]:
         print("\nWhere the profiled steps go (means over steps and ranks; report.md says how to read it):\n"
               + result["breakdown_table"])
@@ -176,7 +182,7 @@ def cli_main(argv: list[str]) -> int:
     for k, t in result["timing"].items():
         if k != result["baseline"] and t["verdict"] != "no timings":
             print(f"step time {k}: {t['ratio']:.3f} x {result['baseline']} "
-                  f"[{t['lo']:.3f}, {t['hi']:.3f}] {t['verdict']}")
+                  f"[{t['lo']:.3f}, {t['hi']:.3f}] {t['verdict']}" + (f": {t['why']}" if t.get("why") else ""))
     bad = [k for k, v in result["parity"].items() if v["status"] == "MISMATCH"]
     if bad:
         print(f"parity MISMATCH against {result['baseline']}: {', '.join(bad)}", file=sys.stderr)

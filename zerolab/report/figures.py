@@ -7,7 +7,9 @@ import math
 from pathlib import Path
 
 from zerolab.accounting import CATEGORIES
+from zerolab.report.load import NOT_CALLED
 from zerolab.report.runs import TIME_PARTS, Run, series
+from zerolab.report.volumes import comm_note, paper_factor
 
 
 COLORS = {"params": "#4c72b0", "grads": "#dd8452", "master": "#55a868", "optim_state": "#c44e52", "buffers": "#8172b3"}
@@ -46,10 +48,11 @@ def label() -> str:
     return f"zerolab {commit()}, {datetime.date.today().isoformat()}"
 
 
-def _save(plt, fig, path: Path) -> Path:
-    """Every figure ends the same way: tight layout above its label (date and commit), a PNG at
-    110 dpi, the figure closed."""
-    fig.tight_layout(rect=(0, 0.035, 1, 1))
+def _save(plt, fig, path: Path, bottom: float = 0.035) -> Path:
+    """Every figure ends the same way: tight layout above its label (date and commit) and whatever
+    the figure writes under its axes (`bottom`: the share of its height kept free), a PNG at 110
+    dpi, the figure closed."""
+    fig.tight_layout(rect=(0, bottom, 1, 1))
     fig.text(0.995, 0.005, label(), ha="right", va="bottom", fontsize=7, color="#666666")
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -79,12 +82,10 @@ def plot_loss(runs: list[Run], base: Run, out: Path) -> Path:
         ax1.plot([x for x, _ in s], [y for _, y in s], markevery=stagger, **style, **wide)
         d = [(x, y - ref[x]) for x, y in s if x in ref]  # apart already: plain lines
         ax2.plot([x for x, _ in d], [y for _, y in d], markevery=stagger, ms=4, lw=1.2, **style)
-        e = series(r, "eval_loss")
-        ax3.plot([x for x, _ in e], [y for _, y in e], **style, **wide)
+    draw_eval(ax3, runs)
     ax1.set(title="train loss (mean over ranks)", xlabel="step", ylabel="loss")
     ax2.axhline(0, color="k", lw=0.6)
     ax2.set(title=f"train loss minus {base.label}'s", xlabel="step", ylabel="Δ loss")
-    ax3.set(title="eval loss", xlabel="step", ylabel="loss")
     lo, hi = ax3.get_ylim()
     if hi - lo < 0.02:  # runs that agree to 1e-7 would fill the panel with their rounding: widen
         mid = (lo + hi) / 2
@@ -93,6 +94,17 @@ def plot_loss(runs: list[Run], base: Run, out: Path) -> Path:
     for ax in (ax1, ax2, ax3):
         ax.legend(fontsize=8)
     return _save(plt, fig, out / "loss.png")
+
+
+def draw_eval(ax, runs: list[Run]) -> None:
+    """Eval loss as points, one marker per eval and run, never joined: a run evaluates a few times
+    (the default job: steps 15 and 30), and a line between two evals would draw a curve that was
+    never measured. Runs on the same value stay visible as markers of shrinking size."""
+    for i, r in enumerate(runs):
+        e = series(r, "eval_loss")
+        ax.plot([x for x, _ in e], [y for _, y in e], ls="none", marker=MARKERS[i % len(MARKERS)],
+                ms=5 + 1.5 * (len(runs) - 1 - i), alpha=0.9, label=r.label)
+    ax.set(title="eval loss (each point one eval: not joined)", xlabel="step", ylabel="loss")
 
 
 def plot_loss_diff(runs: list[Run], base: Run, out: Path) -> Path:
@@ -163,31 +175,60 @@ def plot_step_time(runs: list[Run], base: Run, out: Path) -> Path:
     ox = list(range(len(others)))
     ratios = [x["ratio"] for x in t]
     err = [[max(0.0, x["ratio"] - x["lo"]) for x in t], [max(0.0, x["hi"] - x["ratio"]) for x in t]]
-    colors = ["#999999" if x["verdict"] == "within noise" else "#4c72b0" for x in t]
+    colors = ["#4c72b0" if x["verdict"] in ("slower", "faster") else "#999999" for x in t]
     ax2.bar(ox, ratios, 0.6, color=colors, yerr=err, capsize=6, ecolor="k")
     ax2.axhline(1.0, color="k", lw=0.8, ls="--")
     for x, v in zip(ox, t):
         ax2.annotate(v["verdict"], (x, v["hi"]), textcoords="offset points", xytext=(0, 4), ha="center", fontsize=8)
     ax2.set_xticks(ox, [r.label for r in others], fontsize=9, rotation=20, ha="right")
-    caveat = "all within noise: no run measurably differs" if all(x["verdict"] == "within noise" for x in t) \
-        else "grey: within noise (interval holds 1.0)"
+    if any(x["verdict"] == NOT_CALLED for x in t):
+        caveat = "grey: not called (the machine was loaded: report.md says which job) or within noise"
+    elif all(x["verdict"] == "within noise" for x in t):
+        caveat = "all within noise: no run measurably differs"
+    else:
+        caveat = "grey: within noise (interval holds 1.0)"
     ax2.set(title=f"p50 ÷ {base.label}'s, 95 % bootstrap interval\n{caveat}", ylabel="ratio")
     ax2.margins(y=0.15)
     return _save(plt, fig, out / "step_time.png")
 
 
+def comm_bars(runs: list[Run]) -> list[dict]:
+    """Per run, what comm.png draws (MiB per step, rank 0): measured, data parallelism's 2Ψ(N−1)/N,
+    the ZeRO paper's volume for its stage (3Ψ(N−1)/N for stage 3, else the same 2Ψ) and the note
+    on why it sits where it does (zerolab.report.volumes)."""
+    return [{"label": r.label, "measured": (r.stats["comm_per_step"][0] if r.stats["comm_per_step"] else 0) / 2**20,
+             "two_psi": r.stats["comm_theory"] / 2**20, "paper": r.stats["comm_theory"] * paper_factor(r) / 2**20,
+             "note": comm_note(r)} for r in runs]
+
+
 def plot_comm(runs: list[Run], out: Path) -> Path:
+    """Measured bytes beside the 2Ψ of data parallelism and, for stage-3 strategies, the paper's
+    3Ψ; numbered notes under the axes say why a bar sits above 2Ψ (the paper's stage 3, or the
+    implementation's own collectives)."""
     plt = _plt()
-    fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(runs) + 2), 4.5))
-    for i, r in enumerate(runs):
-        ax.bar(i - 0.2, r.stats["comm_per_step"][0] / 2**20 if r.stats["comm_per_step"] else 0, 0.4,
-               color="#4c72b0", label="measured (rank 0)" if i == 0 else None)
-        ax.bar(i + 0.2, r.stats["comm_theory"] / 2**20, 0.4, color="#bbbbbb",
-               label="theory 2Ψ(N−1)/N × grad bytes" if i == 0 else None)
-    ax.set_xticks(range(len(runs)), [r.label for r in runs], fontsize=8, rotation=20, ha="right")
-    ax.set(title="bytes sent per rank per step", ylabel="MiB")
-    ax.legend(fontsize=8)
-    return _save(plt, fig, out / "comm.png")
+    bars = comm_bars(runs)
+    notes = [(i, b) for i, b in enumerate(bars) if b["note"]]
+    height = 4.8 + 0.15 * len(notes)  # inches: a line of 7-point text under the axes for each note
+    fig, ax = plt.subplots(figsize=(max(8, 1.3 * len(runs) + 3), height))
+    for i, b in enumerate(bars):
+        ax.bar(i - 0.27, b["measured"], 0.27, color="#4c72b0", label="measured (rank 0)" if i == 0 else None)
+        ax.bar(i, b["two_psi"], 0.27, color="#bbbbbb", label="2Ψ(N−1)/N: data parallelism, ZeRO stages 1-2"
+               if i == 0 else None)
+        if b["paper"] > b["two_psi"]:
+            ax.bar(i + 0.27, b["paper"], 0.27, color="#888888", hatch="//", edgecolor="white",
+                   label="3Ψ(N−1)/N: the ZeRO paper's stage 3" if not any(
+                       x["paper"] > x["two_psi"] for x in bars[:i]) else None)
+    for k, (i, b) in enumerate(notes, 1):
+        ax.annotate(f"[{k}]", (i - 0.27, b["measured"]), textcoords="offset points", xytext=(0, 2), ha="center",
+                    fontsize=8)
+    ax.set_xticks(range(len(runs)), [b["label"] for b in bars], fontsize=8, rotation=20, ha="right")
+    ax.set(title="bytes sent per rank per step (× gradient bytes; Rajbhandari et al. 2019, §7)", ylabel="MiB")
+    ax.margins(y=0.12)
+    ax.legend(fontsize=8, loc="upper left")
+    text = "\n".join(f"[{k}] {b['label']}: {b['note']}" for k, (_, b) in enumerate(notes, 1))
+    if text:
+        fig.text(0.01, 0.2 / height, text, ha="left", va="bottom", fontsize=7)
+    return _save(plt, fig, out / "comm.png", bottom=(0.3 + 0.15 * len(notes)) / height)
 
 
 PART_COLORS = {"compute_s": "#4c72b0", "optimizer_s": "#55a868", "comm_exposed_s": "#c44e52", "other_s": "#bbbbbb"}

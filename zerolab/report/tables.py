@@ -5,7 +5,19 @@ import math
 import os
 
 from zerolab.accounting import CATEGORIES
+from zerolab.report.load import NOT_CALLED
 from zerolab.report.runs import PEAK_PARTS, Run
+from zerolab.report.volumes import paper_factor
+
+# Under the summary table, in the console and in report.md: what its marks and brackets mean.
+LEGEND = ("~: within noise (the 95 % interval of p50 ÷ base holds 1); ?: not called (the "
+          "machine was busier than its cores during a job of that run or of the baseline: the step-time lines say "
+          "which). model states (pred): rank 0's measured model states (the ledger's prediction). comm (paper): "
+          "bytes rank 0 sent per step, measured, and in brackets the ZeRO paper's volume for the strategy's stage, "
+          "in gradient-sized bytes: 2Ψ(N−1)/N for data parallelism and stages 1-2 (ddp's all-reduce; a "
+          "reduce-scatter and an all-gather), 3Ψ(N−1)/N for stage 3 (zero3, fsdp, DeepSpeed stage 3: the "
+          "parameters are gathered in forward and again in backward); above it is the implementation's own "
+          "(comm.png says whose and why).")
 
 
 def _f(v: float, fmt: str = "{:.4f}") -> str:
@@ -18,7 +30,7 @@ def _mib(b: float) -> str:
 
 def summary_table(runs: list[Run], base: Run, par: dict[str, dict]) -> str:
     head = ("| run | final loss | eval loss | p50 ms | p95 ms | p99 ms | p50 ÷ base | tokens/s | "
-            "model states MiB r0 (pred) | comm MiB/step r0 (theory) | max rel Δparam | parity |")
+            "model states MiB r0 (pred) | comm MiB/step r0 (paper) | max rel Δparam | parity |")
     lines = [head, "|" + "|".join(["---"] * (head.count("|") - 1)) + "|"]
     for r in runs:
         st, p = r.stats, par[r.label]
@@ -31,7 +43,7 @@ def summary_table(runs: list[Run], base: Run, par: dict[str, dict]) -> str:
             r.label, _f(st["final_loss"]), _f(st["eval_loss"]), _f(st["p50"] * 1e3, "{:.1f}"),
             _f(st["p95"] * 1e3, "{:.1f}"), _f(st["p99"] * 1e3, "{:.1f}"),
             _ratio_cell(r, base), _f(st["tokens_per_s"], "{:.0f}"),
-            f"{_mib(mem)} ({_mib(pred)})", f"{_mib(comm)} ({_mib(st['comm_theory'])})",
+            f"{_mib(mem)} ({_mib(pred)})", f"{_mib(comm)} ({_mib(st['comm_theory'] * paper_factor(r))})",
             "baseline" if r is base else _f(p.get("max_rel", float("nan")), "{:.2e}"),
             "baseline" if r is base else p["status"]]) + " |")
     return "\n".join(lines)
@@ -41,7 +53,8 @@ def _ratio_cell(r: Run, base: Run) -> str:
     t = r.stats.get("timing", {})
     if r is base or not t or math.isnan(t.get("ratio", float("nan"))):
         return "1" if r is base else "—"
-    return f"{t['ratio']:.2f} [{t['lo']:.2f}, {t['hi']:.2f}]" + (" ~" if t["verdict"] == "within noise" else "")
+    mark = {"within noise": " ~", NOT_CALLED: " ?"}.get(t["verdict"], "")
+    return f"{t['ratio']:.2f} [{t['lo']:.2f}, {t['hi']:.2f}]{mark}"
 
 
 def parity_table(runs: list[Run], base: Run, par: dict[str, dict]) -> str:
@@ -56,13 +69,13 @@ def parity_table(runs: list[Run], base: Run, par: dict[str, dict]) -> str:
         nl = p.get("noise_level", [])
         noise = ", ".join(f"{n['tensor']} {n['elements']}/{n['of']} ({n['max_rel']:.1e})" for n in nl) or \
             ("none" if p.get("noise_probe") else "not probed")
-        lines.append(f"| {r.label} | {_f(p.get('d_eval_loss', float('nan')), '{:.2e}')} | "
-                     f"{_f(p.get('max_dlogit', float('nan')), '{:.2e}')} ({_f(p.get('rel_dlogit', float('nan')), '{:.1e}')}) | "
-                     f"{_f(p.get('max_rel', float('nan')), '{:.3e}')} | {p.get('worst', '')} | {noise} | "
-                     f"{_f(p.get('function_tol', float('nan')), '{:.0e}')} / {_f(p.get('tol', float('nan')), '{:.0e}')} | "
-                     f"**{p['status']}** |")
+        g = lambda key, fmt: _f(p.get(key, float("nan")), fmt)
+        lines.append(f"| {r.label} | {g('d_eval_loss', '{:.2e}')} | {g('max_dlogit', '{:.2e}')} "
+                     f"({g('rel_dlogit', '{:.1e}')}) | {g('max_rel', '{:.3e}')} | {p.get('worst', '')} | {noise} | "
+                     f"{g('function_tol', '{:.0e}')} / {g('tol', '{:.0e}')} | **{p['status']}** |")
         if p.get("detail"):
-            notes.append(f"- **{r.label}**: {p['detail'].rstrip('.')}." + (f" Cause: {p['cause']}." if p.get("cause") else ""))
+            cause = f" Cause: {p['cause']}." if p.get("cause") else ""
+            notes.append(f"- **{r.label}**: {p['detail'].rstrip('.')}.{cause}")
     return "\n".join(lines + ([""] + notes if notes else []))
 
 
@@ -113,17 +126,21 @@ def breakdown_table(runs: list[Run]) -> str:
 
 
 def timing_table(runs: list[Run], base: Run) -> str:
-    lines = [f"| run | rounds × steps timed | p50 ms | p50 ÷ {base.label} | 95 % interval | verdict |",
-             "|---|---|---|---|---|---|"]
+    lines = [f"| run | rounds × steps timed | p50 ms | p50 ÷ {base.label} | 95 % interval | per round | verdict |",
+             "|---|---|---|---|---|---|---|"]
+    notes = []
     for r in runs:
         t = r.stats["timing"]
         n = f"{len(r.stats['rounds'])} × {'/'.join(str(len(x)) for x in r.stats['rounds'])}"
         if r is base:
-            lines.append(f"| {r.label} | {n} | {_f(r.stats['p50'] * 1e3, '{:.1f}')} | 1 | — | baseline |")
+            lines.append(f"| {r.label} | {n} | {_f(r.stats['p50'] * 1e3, '{:.1f}')} | 1 | — | — | baseline |")
             continue
+        rounds = " / ".join(f"{v:.3f}" for v in t.get("round_ratios", {}).values()) or "—"
         lines.append(f"| {r.label} | {n} | {_f(r.stats['p50'] * 1e3, '{:.1f}')} | {_f(t['ratio'], '{:.3f}')} | "
-                     f"[{_f(t['lo'], '{:.3f}')}, {_f(t['hi'], '{:.3f}')}] | **{t['verdict']}** |")
-    return "\n".join(lines)
+                     f"[{_f(t['lo'], '{:.3f}')}, {_f(t['hi'], '{:.3f}')}] | {rounds} | **{t['verdict']}** |")
+        if t.get("why"):
+            notes.append(f"- **{r.label}**: {t['verdict']} (the interval alone: {t['interval_verdict']}): {t['why']}.")
+    return "\n".join(lines + ([""] + notes if notes else []))
 
 
 def machine_line(runs: list[Run], loads: list[dict]) -> str:
