@@ -14,9 +14,9 @@ LEGEND = ("~: within noise (the 95 % interval of p50 ÷ base holds 1); ?: not ca
           "machine was busier than its cores during a job of that run or of the baseline: the step-time lines say "
           "which). model states (pred): rank 0's measured model states (the ledger's prediction). comm (paper): "
           "bytes rank 0 sent per step, measured, and in brackets the ZeRO paper's volume for the strategy's stage, "
-          "in gradient-sized bytes: 2Ψ(N−1)/N for data parallelism and stages 1-2 (ddp's all-reduce; a "
-          "reduce-scatter and an all-gather), 3Ψ(N−1)/N for stage 3 (zero3, fsdp, DeepSpeed stage 3: the "
-          "parameters are gathered in forward and again in backward); above it is the implementation's own "
+          "in gradient-sized bytes: 2Ψ(N−1)/N for data parallelism and stages 1-2 (the reference's all-reduce; a "
+          "reduce-scatter and an all-gather), 3Ψ(N−1)/N for stage 3 (the parameters are gathered in forward and "
+          "again in backward); above it is the implementation's own "
           "(comm.png says whose and why).")
 
 

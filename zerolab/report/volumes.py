@@ -13,16 +13,6 @@ from zerolab.report.runs import Run, strategy_class
 
 OVER = 1.05  # measured above the paper's volume by more than this factor: said (the count is exact, not sampled)
 
-# Where an implementation's extra over the paper's volume comes from, where zerolab knows it (the
-# counts by collective, gpt_mid on 2 ranks: torch_zero all_reduce 2Ψ + broadcast Ψ; DeepSpeed
-# stage 2 all_reduce 2Ψ + all_gather Ψ), by (strategy, ZeRO stage); None: any stage.
-EXTRA = {
-    ("torch_zero", None): "DDP's all-reduce of the gradients (2Ψ), then ZeroRedundancyOptimizer's broadcast of "
-                          "every updated parameter from the rank that owns it (Ψ more, in the master dtype)",
-    ("deepspeed", 1): "DeepSpeed all-reduces each gradient bucket (2Ψ) where the paper reduce-scatters it (Ψ): its "
-                      "use_multi_rank_bucket_allreduce, on by default; then it all-gathers the parameters (Ψ)",
-}
-EXTRA[("deepspeed", 2)] = EXTRA[("deepspeed", 1)]
 
 
 def zero_stage(run: Run) -> int:
@@ -33,8 +23,8 @@ def zero_stage(run: Run) -> int:
     stage = int(run.config.get("strategy", {}).get("stage") or 0)
     try:
         return int(cls.memory_identity(stage)[1])
-    except (ValueError, TypeError, AttributeError):  # DeepSpeed stage 0: plain data parallelism
-        return stage if run.strategy == "deepspeed" else int(getattr(getattr(cls, "traits", None), "stage", 0))
+    except (ValueError, TypeError):  # a stage the ledger has no model of (DeepSpeed's 0: plain data parallelism)
+        return stage
 
 
 def paper_factor(run: Run) -> float:
@@ -51,6 +41,7 @@ def comm_note(run: Run) -> str:
     if paper_factor(run) > 1:
         notes.append("stage 3: the paper's own 3Ψ (parameters gathered in forward and backward)")
     if measured > paper * OVER:
-        why = EXTRA.get((run.strategy, zero_stage(run))) or EXTRA.get((run.strategy, None))
+        cls = strategy_class(run.strategy)
+        why = cls.traits.comm_extra if cls is not None else ""  # what the strategy declares about its volume
         notes.append(f"{measured / paper:.2f}× the paper's: " + (why or f"{run.strategy}'s own collectives"))
     return "; ".join(notes)

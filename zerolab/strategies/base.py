@@ -62,6 +62,7 @@ class Traits:
     uneven_memory: bool = False  # ranks hold different amounts: the ledger predicts every rank
     sweep_stages: tuple = (0,)  # strategy.stage values `memory --sweep-world` gives a row; () none
     memory_reference: Optional[tuple] = None  # (strategy, stage) of another implementation, shown beside
+    comm_extra: str = ""  # where its bytes per step above the ZeRO paper's come from, if they are (said by the report)
     # where each memory category lives (zerolab.accounting.CATEGORIES -> "device" | "host"): what
     # counts against a device's memory (an optimizer-state offload would say "host")
     placement: Mapping[str, str] = field(default_factory=lambda: dict(ON_DEVICE))
