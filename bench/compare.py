@@ -54,7 +54,8 @@ def main() -> int:
         sweeps.append(sweep)
         cmd = [sys.executable, str(ROOT / "train.py"), "-m", "experiment=compare", f"strategy={','.join(order)}",
                f"model={args.model}", "model.bias=true", "data.micro_batch=8", f"trainer.max_steps={args.steps}",
-               "trainer.eval_every=0", "trainer.eval_batches=1", "hydra.launcher.report=false", "hydra.launcher.rounds=1",
+               "trainer.eval_every=0", "trainer.eval_batches=1", "hydra.launcher.report=false",
+               "hydra.launcher.rounds=1",
                "logging.wandb.mode=disabled", f"hydra.sweep.dir={sweep}", *args.overrides]
         print(" ".join(cmd), flush=True)
         code = subprocess.run(cmd, cwd=ROOT, env=env).returncode or code
@@ -104,7 +105,8 @@ def main() -> int:
           f"per step, {len(sweeps)} rounds x {args.steps} steps ({args.warmup} warm-up steps of each job untimed; "
           f"p50/p95 from each strategy's least disturbed round); "
           f"sweeps: {' '.join(map(str, sweeps))}\n")
-    print("| strategy | p50 s | p95 s | p50 ÷ ddp | p95 ÷ ddp | p50 s of each round | tokens/s | grads+optim+master MiB r0 / r1 | "
+    print("| strategy | p50 s | p95 s | p50 ÷ ddp | p95 ÷ ddp | p50 s of each round | tokens/s | "
+          "grads+optim+master MiB r0 / r1 | "
           "model states MiB r0 / r1 | peak RSS MiB r0 / r1 | comm MiB/step (theory) |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
@@ -114,7 +116,8 @@ def main() -> int:
         ratio50 = r["p50"] / base["p50"] if base else float("nan")
         ratio95 = r["p95"] / base["p95"] if base else float("nan")
         print(f"| {r['name']} | {r['p50']:.3f} | {r['p95']:.3f} | {ratio50:.2f} | {ratio95:.2f} | "
-              f"{' / '.join(f'{x:.3f}' for x in r['round_p50'])} | {r['tokens_per_s']:.0f} | {r['gradopt0'] / mib:.1f} / {r['gradopt1'] / mib:.1f} | "
+              f"{' / '.join(f'{x:.3f}' for x in r['round_p50'])} | {r['tokens_per_s']:.0f} | "
+              f"{r['gradopt0'] / mib:.1f} / {r['gradopt1'] / mib:.1f} | "
               f"{r['states0'] / mib:.1f} / {r['states1'] / mib:.1f} | {r['rss0'] / mib:.0f} / {r['rss1'] / mib:.0f} | "
               f"{r['comm'] / mib:.1f} ({r['theory'] / mib:.1f}) |")
     return code

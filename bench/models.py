@@ -45,7 +45,8 @@ def run(name: str, config: Path, run_dir: Path, steps: int, nproc: int, extra: l
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            str(ROOT / "train.py"), "model=hf", f"model.config={config}", "model.block_size=128", *STRATEGIES[name],
            "precision=fp32", "optim=adamw", "data.micro_batch=4", f"trainer.max_steps={steps}", "trainer.eval_every=0",
-           "trainer.eval_batches=1", "logging.wandb.mode=disabled", "logging.progress=false", f"run.dir={run_dir}", *extra]
+           "trainer.eval_batches=1", "logging.wandb.mode=disabled", "logging.progress=false", f"run.dir={run_dir}",
+           *extra]
     print(" ".join(cmd), flush=True)
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), HF_HUB_OFFLINE="1")
     return subprocess.run(cmd, cwd=ROOT, env=env).returncode

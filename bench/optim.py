@@ -80,7 +80,8 @@ def variants(optim: str) -> dict:
         except (RuntimeError, ValueError) as err:
             print(f"torch fused AdamW unavailable here: {err}")
     # "auto" is zerolab's default: for Adam(W) torch's fused kernel where it applies (fp32 on CPU),
-    # else foreach (for the other optimizers auto and foreach run the same code: their gap is noise). A flat group is one tensor, so impl=foreach there runs the composed ops once
+    # else foreach (for the other optimizers auto and foreach run the same code: their gap is noise). A flat
+    # group is one tensor, so impl=foreach there runs the composed ops once
     # over the whole shard.
     out.update({"zerolab for_loop": ours("for_loop"), "zerolab foreach": ours("foreach"),
                 "zerolab auto": ours("auto"), "zerolab flat composed": flat("foreach"),
@@ -134,8 +135,10 @@ def main() -> None:
     base_name = refs[0]
     base = statistics.median(times[base_name])
     print(f"{a.optim} on {a.model} parameters: {n:,} params in {len(init)} tensors, fp32 | torch {torch.__version__} | "
-          f"{platform.processor() or platform.machine()} | {os.cpu_count()} cores | threads {torch.get_num_threads()} | "
-          f"{a.steps} timed steps after {a.warmup}, interleaved in a new random order each step | load average (1/5/15 min) before "
+          f"{platform.processor() or platform.machine()} | {os.cpu_count()} cores | "
+          f"threads {torch.get_num_threads()} | "
+          f"{a.steps} timed steps after {a.warmup}, interleaved in a new random order each step | "
+          "load average (1/5/15 min) before "
           f"{'/'.join(f'{x:.1f}' for x in load_before)}, after {'/'.join(f'{x:.1f}' for x in load_after)}")
     print(f"{'variant':22s} {'p50 ms':>8s} {'p95 ms':>8s} {'p50 / ' + base_name:>22s} {'state bytes':>13s} "
           f"{'B/param':>8s}" + "".join(f" {'rel diff vs ' + r:>24s}" for r in refs))

@@ -71,7 +71,8 @@ def cost(args, env: dict) -> None:
     steps = [f"trainer.max_steps={args.steps}", f"model={args.model}"]
     variants = {"base": (base_tree, [*COMMON, *steps]), "off": (ROOT, [*COMMON, *steps]),
                 "on": (ROOT, [*COMMON, *steps, f"profile.steps=[{','.join(map(str, timed))}]"]),
-                "trace": (ROOT, [*COMMON, *steps, f"profile.steps=[{','.join(map(str, timed))}]", "profile.trace=true"])}
+                "trace": (ROOT, [*COMMON, *steps, f"profile.steps=[{','.join(map(str, timed))}]",
+                                 "profile.trace=true"])}
     names = args.variants.split(",")
     rounds: dict[str, list[list[float]]] = {n: [] for n in names}
     print(f"base: {sha} ({base_tree}); load average before: {loadavg()}", flush=True)
@@ -99,7 +100,8 @@ def breakdown(args, env: dict) -> None:
 
     sweep = Path(tempfile.mkdtemp(prefix="zerolab-bench-breakdown-"))
     cmd = [sys.executable, str(ROOT / "train.py"), "-m", "experiment=compare", f"strategy={args.strategies}",
-           "model=gpt_small", f"trainer.max_steps={args.breakdown_steps}", "trainer.eval_every=0", "trainer.eval_batches=1",
+           "model=gpt_small", f"trainer.max_steps={args.breakdown_steps}", "trainer.eval_every=0",
+           "trainer.eval_batches=1",
            f"profile.steps={args.profile}", "hydra.launcher.rounds=1", "hydra.launcher.report=false",
            "logging.wandb.mode=disabled", f"hydra.sweep.dir={sweep}"]
     print(" ".join(cmd), f"\nload average before: {loadavg()}", flush=True)
@@ -156,10 +158,13 @@ def check(args, env: dict) -> None:
         traces = sorted(x.name for x in (d / "traces").glob("*.json.gz")) if (d / "traces").exists() else []
         rows.append(f"| {summary['strategy']} | traces: {', '.join(traces) or 'none'} | | | | | | | | | | "
                     f"peak {summary['peak_flops'] / 1e12:.1f} TFLOP/s ({summary['peak_flops_source']}) |")
-    sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-    text = (f"\n## Where the step goes on CUDA (bench/step_profile.py check), {time.strftime('%Y-%m-%d')}, commit {sha}\n\n"
+    sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                         text=True).stdout.strip()
+    text = (f"\n## Where the step goes on CUDA (bench/step_profile.py check), {time.strftime('%Y-%m-%d')}, "
+            f"commit {sha}\n\n"
             "| strategy | step | rank | compute ms | optimizer ms | exposed comm ms | other ms | comm ms | step ms | "
-            "step_time_s ms | MFU | parts add up |\n|---|---|---|---|---|---|---|---|---|---|---|---|\n" + "\n".join(rows) + "\n")
+            "step_time_s ms | MFU | parts add up |\n|---|---|---|---|---|---|---|---|---|---|---|---|\n"
+            + "\n".join(rows) + "\n")
     print(text)
     if args.out:
         with open(args.out, "a") as fh:

@@ -7,7 +7,8 @@ comes from zerolab.run.directory.new_run_dir: <run.root>/<experiment>/<time>-<st
 requeued Slurm job gets the directory its first start chose (found by its job id).
 Composing the config also validates it: a bad override, a user's model that cannot be built
 (zerolab.models.preflight: a missing model.config, a target that does not import, a window past
-its positions, no blocks for zero3/fsdp), a given token file that is missing, empty or too short (zerolab.data.check_token_file), a run.dir that another job holds (zerolab/run/lock.py)
+its positions, no blocks for zero3/fsdp), a given token file that is missing, empty or too short
+(zerolab.data.check_token_file), a run.dir that another job holds (zerolab/run/lock.py)
 or a fresh start over another run's record (zerolab/run/record.py) exits with code 2 here, before any
 allocation or process group is used.
 

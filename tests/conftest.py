@@ -274,7 +274,8 @@ def run_train(run_dir: Path, nproc: int, *overrides: str, check: bool = True, en
            *overrides]
     proc = run_process(cmd, timeout=timeout, env=base_env(**(env or {})))
     if check and proc.returncode != 0:
-        pytest.fail(f"train.py failed ({proc.returncode}): {' '.join(cmd)}\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}")
+        pytest.fail(f"train.py failed ({proc.returncode}): {' '.join(cmd)}\n"
+                    f"{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}")
     return proc
 
 
@@ -312,7 +313,8 @@ def run_python(*args: str, check: bool = True, timeout: float = 300, env: dict |
                cwd: Path = ROOT) -> subprocess.CompletedProcess:
     proc = run_process([sys.executable, *args], cwd=cwd, env=base_env(**(env or {})), timeout=timeout)
     if check and proc.returncode != 0:
-        pytest.fail(f"python {' '.join(args)} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}")
+        pytest.fail(f"python {' '.join(args)} failed ({proc.returncode}):\n"
+                    f"{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}")
     return proc
 
 

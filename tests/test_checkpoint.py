@@ -235,17 +235,29 @@ def test_pickled_callable_is_refused(tmp_path, ddp_run):
     assert not marker.exists()
 
 
+def _next_lr(meta: dict, step: int) -> float:
+    """What the checkpoint's own LR schedule gives at `step` (a forger can compute it too)."""
+    from dataclasses import fields
+
+    from zerolab.optim.schedule import LRSchedule
+
+    sched = meta["lr_schedule"]
+    return LRSchedule(**{f.name: sched[f.name] for f in fields(LRSchedule)})(step)
+
+
 def test_consistent_meta_forgery_is_refused_and_falls_back(tmp_path, ddp_run):
     """meta.json of step 4 rewritten to step 6 with everything it says about the step (the data
-    position too) and its digest recomputed, the directory renamed: the rank files still say
-    they were written at step 4."""
+    position, the optimizer's count of updates, the LR schedule's position) and its digest
+    recomputed, the directory renamed: the rank files still say they were written at step 4."""
     from zerolab.checkpoint import CheckpointError, newest_good, verify
 
     ck = _copy_ckpts(ddp_run, tmp_path)
     forged = ck / "step_00000006"
     (ck / "step_00000004").rename(forged)
     meta = json.loads((forged / "meta.json").read_text())
-    _meta_edit(forged, step=6, sampler={**meta["sampler"], "next_step": 6})
+    scalars = {"step": {**meta["optimizer_scalars"]["step"], "value": 6.0}}
+    _meta_edit(forged, step=6, sampler={**meta["sampler"], "next_step": 6}, optimizer_scalars=scalars,
+               lr_schedule={**meta["lr_schedule"], "next_lr": _next_lr(meta, 6)})
     with pytest.raises(CheckpointError, match=r"rank0.safetensors was written at step 4, but meta.json says step 6"):
         verify(str(forged))
     said = []
@@ -256,19 +268,80 @@ def test_consistent_meta_forgery_is_refused_and_falls_back(tmp_path, ddp_run):
         verify(str(forged))
 
 
+def _resign_rank_file(path, step: int) -> None:
+    """Rewrite the step in a safetensors file's own metadata (its JSON header, padded to 8 bytes)."""
+    import struct
+
+    data = path.read_bytes()
+    (n,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8:8 + n])
+    header["__metadata__"]["step"] = str(step)
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)
+    path.write_bytes(struct.pack("<Q", len(blob)) + blob + data[8 + n:])
+
+
+def _resign(ckpt, step: int, **changes) -> None:
+    """A checkpoint copied to another step and re-signed throughout: meta's step and the sampler's,
+    each rank file's own metadata, every file's size and sha256, meta.json's digest."""
+    import hashlib
+
+    from zerolab.checkpoint import _meta_text
+
+    meta = json.loads((ckpt / "meta.json").read_text())
+    for fname, info in meta["files"].items():
+        _resign_rank_file(ckpt / fname, step)
+        data = (ckpt / fname).read_bytes()
+        info.update(bytes=len(data), sha256=hashlib.sha256(data).hexdigest())
+    meta.update(step=step, sampler={**meta["sampler"], "next_step": step}, **changes)
+    (ckpt / "meta.json").write_text(_meta_text(meta))
+
+
+def test_resigned_copy_is_refused_by_its_counters_and_resume_falls_back(tmp_path, ddp_run):
+    """step 4 copied to step 6 and re-signed everywhere a step is written (meta, the sampler, the
+    rank files' own metadata, every digest): the optimizer's count of updates (4, none skipped) and
+    the LR schedule's position (its next lr is step 4's) still say step 4, and each is checked
+    against the step claimed. resume=auto falls back to the real step 4."""
+    from zerolab.checkpoint import CheckpointError, verify
+
+    ck = _copy_ckpts(ddp_run, tmp_path)
+    real, copy = ck / "step_00000004", ck / "step_00000006"
+    meta = verify(str(real))
+    assert meta["optimizer_scalars"]["step"]["value"] == 4.0 and meta["skipped_updates"] == 0
+    shutil.copytree(real, copy)
+    _resign(copy, 6)
+    with pytest.raises(CheckpointError, match=r"count 4 optimizer updates, and 0 were skipped: 4 steps, but the "
+                                              r"checkpoint claims step 6"):
+        verify(str(copy))
+    # The count re-signed too (4 updates and 2 "skipped"): the LR schedule still stands at step 4.
+    shutil.rmtree(copy)
+    shutil.copytree(real, copy)
+    _resign(copy, 6, skipped_updates=2)
+    with pytest.raises(CheckpointError, match=r"field 'lr_schedule' gives lr .* at step 6, but records next_lr "
+                                              r".*: the schedule is at another step"):
+        verify(str(copy))
+    assert _next_lr(meta, 6) != meta["lr_schedule"]["next_lr"]  # cosine decay: the two steps' lr differ
+    run = tmp_path / "resumed"
+    run_ranks(run, 2, *TINY, "trainer.max_steps=4", f"checkpoint.dir={ck}", "checkpoint.resume=auto")
+    out = rank_log(run)
+    assert "[step_00000006]" in out and f"falling back to {real}" in out and "resumed at step 4" in out, out[-3000:]
+
+
 def test_every_checkpoint_corrupt_is_one_paragraph_with_a_way_on(tmp_path, ddp_run):
     ck = _copy_ckpts(ddp_run, tmp_path)
     for step in sorted(ck.glob("step_*")):
         victim = step / "rank1.safetensors"
         victim.write_bytes(victim.read_bytes()[:-5])
     run = tmp_path / "resumed"
-    proc = run_train(run, 2, *TINY, "trainer.max_steps=4", f"checkpoint.dir={ck}", "checkpoint.resume=auto", torchrun=True,
-                     check=False)
+    proc = run_train(run, 2, *TINY, "trainer.max_steps=4", f"checkpoint.dir={ck}", "checkpoint.resume=auto",
+                     torchrun=True, check=False)
     out = proc.stdout + proc.stderr
     # a CheckpointError on every rank: each worker exits 1 (rank 1 once torchrun stops it), torchrun 1
     assert proc.returncode == 1 and len(re.findall(r"exitcode\s*:\s*1 ", out)) == 2, out[-6000:]
     message = [line for line in out.splitlines() if line.startswith("zerolab: error:")]
-    assert len(message) == 1 and out.count("failed verification") == 1, out[-6000:]
+    # said once (torchrun's failure block may quote it again, from the error file train.py writes for it)
+    said = [line for line in out.splitlines() if "failed verification" in line and "traceback :" not in line]
+    assert len(message) == 1 and len(said) == 1, out[-6000:]
     for step in ("step_00000004", "step_00000002"):
         assert f"[{step}] {ck / step / 'rank1.safetensors'} has" in message[0]
     assert "checkpoint.resume=PATH" in message[0] and "another run.dir" in message[0]

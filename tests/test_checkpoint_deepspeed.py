@@ -51,8 +51,12 @@ def test_deepspeed_resume_export_import(tmp_path, deepspeed_ops):
     cfg = compose(["model=gpt_tiny", "strategy=zero2"])
     strategy = DDPStrategy.__new__(DDPStrategy)
     strategy.ctx = type("Ctx", (), {"world_size": 3})()
-    with pytest.raises(CheckpointError, match=r"DeepSpeed stage-2 checkpoint of 2 ranks loads only into.*--as-checkpoint"):
-        _check_compatible(verify(str(step_k)), str(step_k), cfg, strategy, model_layout(build_model(cfg.model, "meta")))
+    layout = model_layout(build_model(cfg.model, "meta"))
+    with pytest.raises(CheckpointError, match=r"DeepSpeed stage-2 checkpoint of 2 ranks loads only into.*"
+                                              r"--as-checkpoint") as refused:
+        _check_compatible(verify(str(step_k)), str(step_k), cfg, strategy, layout)
+    # the run named in the words that set it: strategy.stage belongs to strategy=deepspeed alone
+    assert "(this run: strategy=zero2, 3 ranks)" in str(refused.value) and "stage 0" not in str(refused.value)
 
     # 3b. As format 2 wrote it (no checkpoint_format; DeepSpeed's record under "deepspeed"): still
     # the native format, refused elsewhere with the same advice, exported the same.

@@ -93,4 +93,5 @@ def test_reshard_next_step_matches(tmp_path, sources, src, dst, precision):
     before["lm_head.weight"] = before["wte.weight"]  # exported once (tied), as the model holds it
     shares = step_shares(load_weights(target), load_weights(source), before)
     worst = max(shares, key=shares.get)
-    assert shares[worst] <= BOUND[precision], f"{src} -> {dst} {precision}: {worst} differs by {shares[worst]:.3g} of its step"
+    assert shares[worst] <= BOUND[precision], (f"{src} -> {dst} {precision}: {worst} differs by "
+                                               f"{shares[worst]:.3g} of its step")

@@ -5,7 +5,10 @@
   runs (its marker file stays absent).
 - meta.json edited by one digit: its own digest catches it, resume=auto falls back.
 - A disk that fills during a save (a real tmpfs): one CheckpointError naming the path, no temp
-  directory left, the previous checkpoint resumes.
+  directory left, the previous checkpoint resumes; its advice counts what the rest of the run
+  writes (the end's files too), and following it literally the run finishes.
+- A disk that fills while metrics.jsonl is appended: every rank stops after the same step, one
+  paragraph, no torn line, no rank blamed.
 - A stale op build lock: the DeepSpeed run fails naming it instead of waiting forever.
 - The DeepSpeed strategy puts deepspeed.comm's backend back when the run ends.
 """
@@ -136,6 +139,12 @@ class _Tmpfs:
         subprocess.run(["umount", str(self.path)], check=False)
 
 
+def _grow(mounted: Path, by: int) -> None:
+    """`by` more bytes of room on a _Tmpfs, as freeing that much would (a remount keeps the files)."""
+    fs = os.statvfs(mounted)
+    subprocess.run(["mount", "-o", f"remount,size={fs.f_blocks * fs.f_frsize + by}", str(mounted)], check=True)
+
+
 def _checkpoint_bytes() -> int:
     from zerolab.config import compose
     from zerolab.models import build_model
@@ -171,6 +180,66 @@ def test_disk_full_during_save_gives_advice_that_works(tmp_path):
             assert "resumed at step 1" in proc.stdout + proc.stderr
             assert [r["step"] for r in read_metrics(run)] == [2, 3, 4]
             assert sorted(os.listdir(large / "ck")) == ["latest", "step_00000003", "step_00000004"]
+
+
+def test_disk_full_advice_counts_the_end_of_the_run_and_following_it_finishes(tmp_path):
+    """The run directory and its checkpoints on one small tmpfs: the second save does not fit. The
+    advice names that filesystem and a byte count that covers the rest of the run after a resume:
+    the checkpoints it still saves, its final weights, eval files, summary and metrics. Followed
+    literally (exactly that many more bytes of room, then checkpoint.resume=auto), the run finishes,
+    every final file written."""
+    one = _checkpoint_bytes()
+    with _Tmpfs(tmp_path / "small", int(1.6 * one)) as small:  # the first save fits, the second cannot
+        run = small / "run"
+        common = [*TINY, "trainer.max_steps=4", "checkpoint.every=1", f"run.dir={run}"]
+        proc = run_train(run, 2, *common, check=False)
+        out = proc.stdout + proc.stderr
+        assert proc.returncode == 1, out[-4000:]  # a CheckpointError: exit 1
+        message = [line for line in out.splitlines() if line.startswith("zerolab: error:")]
+        assert len(message) == 1, out[-6000:]
+        found = re.search(r"free at least (\d+) bytes on the filesystem mounted at (\S+) \(the rest of the run writes "
+                          r"up to (\d+) bytes there: ([^;]*);", message[0])
+        assert found and found.group(2) == str(small), message[0]
+        parts = found.group(4)
+        for name in ("1 checkpoint(s) beyond those kept", "model.safetensors", "eval_logits.safetensors",
+                     "grad_noise.safetensors", "summary.json", "metrics.jsonl"):
+            assert name in parts, parts
+        assert f"the run directory {run} is on the same filesystem" in message[0]
+        _grow(small, int(found.group(1)))  # the advice, as written
+        proc = run_train(run, 2, *common, "checkpoint.resume=auto")
+        assert "resumed at step 1" in proc.stdout + proc.stderr
+        assert [r["step"] for r in read_metrics(run)] == [1, 2, 3, 4]
+        for name in ("model.safetensors", "eval_logits.safetensors", "grad_noise.safetensors", "summary.json"):
+            assert (run / name).exists(), name
+        assert "final_write_error" not in json.loads((run / "summary.json").read_text())
+
+
+def test_metrics_on_a_full_disk_stop_every_rank_in_one_paragraph(tmp_path):
+    """The run directory on a 100 kB tmpfs, no checkpoints: the first write that does not fit is a
+    metrics.jsonl append. Under torchrun: exit 1, one paragraph said once (what was written, what
+    not, what to do), no traceback, no torn line, no rank blamed for stopping, nothing promised
+    that does not come."""
+    with _Tmpfs(tmp_path / "x", 100 * 1024) as small:
+        run = small / "run"
+        proc = run_train(run, 2, *TINY, "trainer.max_steps=200", torchrun=True, check=False, timeout=400)
+        out = proc.stdout + proc.stderr
+        assert proc.returncode == 1, out[-6000:]
+        message = [line for line in out.splitlines() if line.startswith("zerolab: error:")]
+        assert len(message) == 1, out[-6000:]
+        text = (run / "metrics.jsonl").read_text()
+        assert text.endswith("\n")
+        steps = [json.loads(line)["step"] for line in text.splitlines()]  # every line whole
+        last = steps[-1]
+        assert steps == list(range(1, last + 1)) and last < 200, steps
+        assert (f"every rank stopped after step {last + 1} of 200: the disk is full: the record of step {last + 1} "
+                f"did not fit in {run / 'metrics.jsonl'} (No space left on device); the records up to step {last} "
+                "are there, whole" in message[0]), message[0]
+        assert "no checkpoint of step" in message[0] and "run.overwrite=true" in message[0], message[0]
+        assert re.search(rf"free at least \d+ bytes on the filesystem mounted at {small} ", message[0]), message[0]
+        # no Python traceback from a rank (torchrun's agent prints its own ChildFailedError one)
+        assert not re.search(r'File "[^"]*(/zerolab/[^"]*|train\.py)"', out) and "RankStopped" not in out, out[-6000:]
+        assert "with a checkpoint" not in out and "stopping after this step" not in out, out[-6000:]
+        assert not list(run.glob("*.tmp.*"))
 
 
 def test_disk_full_at_the_end_keeps_the_weights_and_says_so(tmp_path):

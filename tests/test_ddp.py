@@ -28,7 +28,8 @@ from conftest import load_weights, read_metrics, rel_l2_diff, run_train
 
 pytestmark = pytest.mark.slow  # every test here starts processes (see conftest: tiers)
 
-COMMON = ["model=gpt_tiny", "model.bias=false", "data=text", "trainer.max_steps=10", "trainer.eval_every=0", "optim.grad_clip=1.0"]
+COMMON = ["model=gpt_tiny", "model.bias=false", "data=text", "trainer.max_steps=10", "trainer.eval_every=0",
+          "optim.grad_clip=1.0"]
 ORDER_FACTOR = 5  # x the spread between two legitimate summation orders, measured in the same run (docstring)
 
 
@@ -65,7 +66,8 @@ def test_ddp_matches_one_process_within_summation_order(tmp_path, single, accum)
     spread = rel_l2_diff(single["2x4"], single["1x8"])  # measured in this run: two legitimate orders
     assert spread > 0  # they do differ (else the bound below would say nothing)
     assert diff < ORDER_FACTOR * spread, (f"ddp (accum {accum}) vs one process: largest per-tensor relative L2 "
-                                          f"difference {diff:.3g}, {diff / spread:.2g}x the spread of two single-process "
+                                          f"difference {diff:.3g}, {diff / spread:.2g}x the spread of "
+                                          "two single-process "
                                           f"orders ({spread:.3g})")
 
 

@@ -482,7 +482,8 @@ def test_measurements_are_labelled_by_date_and_commit():
 
 
 def test_readme_stays_short():
-    assert len((ROOT / "README.md").read_text().splitlines()) <= 300, "README.md: at most 300 lines; move text into docs/"
+    assert len((ROOT / "README.md").read_text().splitlines()) <= 300, (
+        "README.md: at most 300 lines; move text into docs/")
 
 
 # ---- the checker finds planted mistakes --------------------------------------------------------
@@ -505,7 +506,8 @@ def test_a_good_snippet_passes():
 
 
 @pytest.mark.parametrize("snippet, expected", [
-    (block("python train.py trainer.max_stepz=5"), "trainer.max_stepz=5: no such config key; did you mean trainer.max_steps?"),
+    (block("python train.py trainer.max_stepz=5"),
+     "trainer.max_stepz=5: no such config key; did you mean trainer.max_steps?"),
     (block("launch/torchrun.sh strategy=zero9"), "conf/strategy/zero9.yaml does not exist"),
     (block("python train.py -m strategy=ddp,zero4"), "conf/strategy/zero4.yaml does not exist"),
     (block("sbatch launch/slurm.sbatch \\", "    optim.learning_rate=1"), "optim.learning_rate=1: no such config key"),
@@ -588,4 +590,5 @@ def test_the_strategy_tables_list_every_registered_strategy():
     from zerolab.strategies import REGISTRY
 
     rows = set(re.findall(r"^\| `(\w+)` \|", (ROOT / "README.md").read_text(), re.M))
-    assert rows == set(REGISTRY), f"README's strategy table: missing {set(REGISTRY) - rows}, unknown {rows - set(REGISTRY)}"
+    assert rows == set(REGISTRY), (f"README's strategy table: missing {set(REGISTRY) - rows}, "
+                                   f"unknown {rows - set(REGISTRY)}")

@@ -59,7 +59,8 @@ def test_ds_config_overrides_stay_free_form():
 
 
 def test_command_line_check_names_unknown_keys_only():
-    with pytest.raises(ConfigError, match=r"given as trainer\.max_step=20\): no such key; did you mean trainer\.max_steps"):
+    with pytest.raises(ConfigError,
+                       match=r"given as trainer\.max_step=20\): no such key; did you mean trainer\.max_steps"):
         check_overrides(["trainer.max_step=20"])
     # Group choices, Hydra's own keys and known keys pass; so does a group that is not a key.
     check_overrides(["strategy=zero2", "hydra.run.dir=x", "hydra/launcher=basic", "trainer.max_steps=3",

@@ -73,7 +73,8 @@ def test_deepspeeds_prediction_follows_the_overrides_it_models_and_names_the_res
     shape = ModelShape("toy", ((0, (64, 64)), (0, (64,)), (0, (300, 400))))  # 4,096 + 64 + 120,000 elements
     plain = predict(shape, "deepspeed", 2, "fp32", stage=3, state_elements=2)
     kept = predict(shape, "deepspeed", 2, "fp32", stage=3, state_elements=2,
-                   settings={"ds_config_overrides": {"zero_optimization": {"stage3_param_persistence_threshold": 10_000}}})
+                   settings={"ds_config_overrides": {
+                       "zero_optimization": {"stage3_param_persistence_threshold": 10_000}}})
     assert kept.bytes()["params"] - plain.bytes()["params"] == (4096 + 64) * 4  # both small tensors, whole, fp32
     staged = predict(shape, "deepspeed", 2, "fp32", stage=2, state_elements=2,
                      settings={"ds_config_overrides": {"zero_optimization": {"stage": 3}}})
@@ -85,5 +86,6 @@ def test_deepspeeds_prediction_follows_the_overrides_it_models_and_names_the_res
     odd = predict(shape, "deepspeed", 2, "fp32", stage=2, state_elements=2,
                   settings={"ds_config_overrides": {"zero_optimization": {"offload_optimizer": {"device": "cpu"}},
                                                     "steps_per_print": 10}})
-    assert odd.notes[-1].startswith("not modelled: strategy.ds_config_overrides sets zero_optimization.offload_optimizer")
+    assert odd.notes[-1].startswith("not modelled: strategy.ds_config_overrides sets "
+                                    "zero_optimization.offload_optimizer")
     assert "steps_per_print" not in odd.notes[-1]  # changes no byte

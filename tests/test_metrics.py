@@ -49,8 +49,44 @@ def test_wandb_environment_wins_under_auto_only():
     assert (kw["name"], kw["job_type"], kw["entity"]) == ("a", "zero2", None)
     kw = wandb_init_kwargs(_logging_cfg("auto"), "/runs/a", "exp", "ddp", {}, environ={})
     assert (kw["mode"], kw["project"], kw["group"], kw["dir"]) == ("offline", "zerolab", "exp", "/runs/a")
-    assert wandb_init_kwargs(_logging_cfg("auto"), "/r", "e", "d", {}, environ={"WANDB_API_KEY": "k"})["mode"] == "online"
+    keyed = wandb_init_kwargs(_logging_cfg("auto"), "/r", "e", "d", {}, environ={"WANDB_API_KEY": "k"})
+    assert keyed["mode"] == "online"
     # an explicit mode is the config's word: passed as given, whatever the environment says
     assert wandb_init_kwargs(_logging_cfg("offline"), "/r", "e", "d", {}, environ=env)["mode"] == "offline"
     assert wandb_init_kwargs(_logging_cfg("disabled"), "/r", "e", "d", {}, environ={"WANDB_MODE": "online"}) is None
     assert wandb_init_kwargs(_logging_cfg("auto"), "/r", "e", "d", {}, environ={"WANDB_DISABLED": "true"}) is None
+
+
+def test_a_record_that_does_not_fit_is_cut_back_and_stops_the_run(tmp_path, monkeypatch):
+    """An ENOSPC injected at the write, after part of the record went out (what a filling disk
+    does): the partial record is cut off again, the sink says why and writes nothing more, the
+    run is asked to stop (StopRequest.write_failed), and closing raises nothing. (A real full
+    tmpfs under a real job: tests/test_checkpoint_safety.py.)"""
+    import errno
+    import json
+    import os
+
+    import zerolab.run.metrics as metrics
+    from zerolab.run.preempt import StopRequest
+
+    monkeypatch.setattr(StopRequest, "write_failure", None)
+    sink = metrics.MetricsSink(str(tmp_path), _logging_cfg("disabled"), True, "exp", "ddp", {})
+    assert sink.log({"step": 1, "loss": 1.0}) is None
+    real_write, calls = os.write, []
+
+    def filling(fd, data):
+        calls.append(len(data))
+        if len(calls) == 1:
+            return real_write(fd, data[:len(data) // 2])  # half of it fits ...
+        raise OSError(errno.ENOSPC, "No space left on device")  # ... the rest does not
+
+    monkeypatch.setattr(metrics.os, "write", filling)
+    assert sink.log({"step": 2, "loss": 0.5, "note": "x" * 200}) == "No space left on device"
+    assert sink.log({"step": 3, "loss": 0.4}) == "No space left on device" and len(calls) == 2  # nothing more
+    sink.close()
+    text = (tmp_path / "metrics.jsonl").read_text()
+    assert text.endswith("\n") and [json.loads(line)["step"] for line in text.splitlines()] == [1]
+    path, what = StopRequest.write_failure
+    assert path == str(tmp_path / "metrics.jsonl")
+    assert what == (f"the record of step 2 did not fit in {path} (No space left on device); the records up to step 1 "
+                    "are there, whole")

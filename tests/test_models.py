@@ -196,7 +196,8 @@ def test_blocks_of_transformers_models(configs, name, blocks, root):
     assert found.name == blocks and len(found.modules) == 2
     block_of = block_of_parameters(model)
     names = dict(model.named_parameters(remove_duplicate=False))
-    assert {n for n, p in names.items() if block_of[id(p)] == -1} == root | ({"lm_head.weight"} if name == "gpt2" else set())
+    assert {n for n, p in names.items() if block_of[id(p)] == -1} == root | (
+        {"lm_head.weight"} if name == "gpt2" else set())
     assert {block_of[id(p)] for n, p in names.items() if n.startswith(f"{blocks}.1.")} == {1}
     if name == "gpt2":
         assert model.lm_head.weight is model.transformer.wte.weight

@@ -38,7 +38,8 @@ import torch
 from safetensors.torch import load_file
 
 import ranks
-from conftest import ROOT, TORCHRUN, assert_same_weights, base_env, fixed_corpus, load_weights, read_metrics, rel_l2_diff
+from conftest import (ROOT, TORCHRUN, assert_same_weights, base_env, fixed_corpus, load_weights, read_metrics,
+                      rel_l2_diff)
 from test_models import CUSTOM_MODULE, write_configs, write_custom
 
 pytestmark = pytest.mark.slow
@@ -47,7 +48,9 @@ import transformers  # noqa: E402,F401  (pinned in pyproject.toml: a broken inst
 WORLD, STEPS = 3, 4
 TOL = 1e-5  # module docstring
 COMMON = ["trainer.grad_accum_steps=2", "data.micro_batch=2", "precision=fp32", "optim=adamw", "optim.warmup_steps=1",
-          "optim.grad_clip=0.5", "strategy.bucket_mb=0.0625"]  # 16Ki fp32 elements: several buckets per unit (an even count, as DeepSpeed wants)
+          "optim.grad_clip=0.5",
+          # 16Ki fp32 elements: several buckets per unit (an even count, as DeepSpeed wants)
+          "strategy.bucket_mb=0.0625"]
 STRATEGIES = {"llama": ["ddp", "zero1", "zero2", "zero3", "fsdp", "zero3_ac"], "gpt2": ["ddp", "zero3"],
               "qwen2": ["ddp", "deepspeed"], "custom": ["ddp", "zero3"]}
 STRATEGY_OVERRIDES = {"zero3_ac": ["strategy=zero3", "model.activation_checkpointing=blocks"],
@@ -57,7 +60,8 @@ STRATEGY_OVERRIDES = {"zero3_ac": ["strategy=zero3", "model.activation_checkpoin
 def model_overrides(name: str, configs: dict, weights: dict) -> list[str]:
     if name == "custom":
         return ["model=custom", f"model.target={CUSTOM_MODULE}:TinyLM", "model.vocab_size=512"]
-    return ["model=hf", f"model.config={configs[name]}", *([f"model.weights={weights[name]}"] if name in weights else [])]
+    return ["model=hf", f"model.config={configs[name]}",
+            *([f"model.weights={weights[name]}"] if name in weights else [])]
 
 
 def pretrained_like(config, out) -> str:

@@ -34,7 +34,8 @@ def test_adamw_matches_torch(impl):
     init = _params()
     ours, _ = _run(lambda ps: AdamW(ps, lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1, impl=impl), init)
     ref, _ = _run(lambda ps: torch.optim.AdamW(ps, lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1), init)
-    assert _rel(ours, ref) < 1e-6  # same formula, same op order as torch: fp32 rounding only (4e-8 measured after 200 steps)
+    # same formula, same op order as torch: fp32 rounding only (4e-8 measured after 200 steps)
+    assert _rel(ours, ref) < 1e-6
     assert _rel(ours, init) > 1e-2  # it moved
 
 

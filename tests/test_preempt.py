@@ -73,7 +73,8 @@ def test_sigterm_to_agent_saves_and_resume_matches_uninterrupted(tmp_path):
     step = marker["step"]
     assert marker["stopped"] == "preempted" and marker["signal"] == "SIGTERM", marker
     assert 4 <= step < 12, marker  # the step each rank was in when the signal came (or the next)
-    assert f"zerolab: stopped after step {step} of 12 on SIGTERM" in text, text[-6000:]
+    said = [line for line in text.splitlines() if line.startswith("zerolab: stopped after")]  # rank 0's, once
+    assert len(said) == 1 and said[0].startswith(f"zerolab: stopped after step {step} of 12 on SIGTERM"), text[-6000:]
     assert (run / "checkpoints" / f"step_{step:08d}" / "meta.json").exists(), text[-6000:]
     assert read_metrics(run)[-1] == {"step": step, "stopped": "preempted", "signal": "SIGTERM",
                                      "checkpoint": marker["checkpoint"]}
@@ -100,10 +101,10 @@ def test_one_rank_signalled_stops_every_rank_after_the_same_step(tmp_path, nproc
     out.until("step 4/12 |")
     os.kill(rank_pid(proc.pid, nproc - 1), signal.SIGUSR1)
     text = finish(proc, out, timeout=90)
-    stops = re.findall(r"zerolab: stopped after step (\d+) of 12 on (SIGUSR1|a stop signal received by another rank)",
-                       text)
-    assert len(stops) == nproc and len({step for step, _ in stops}) == 1, text[-6000:]
-    assert sorted(why for _, why in stops) == ["SIGUSR1"] + ["a stop signal received by another rank"] * (nproc - 1)
+    # One line for the job (rank 0 says what every rank agreed), naming the rank that got the signal
+    # (torchrun's failure block may quote it again, indented, from the error file train.py writes).
+    stops = re.findall(r"^zerolab: stopped after step (\d+) of 12 on (.*?); checkpoint", text, re.MULTILINE)
+    assert len(stops) == 1 and stops[0][1] == f"SIGUSR1 (received by rank {nproc - 1})", text[-6000:]
     assert len(re.findall(r"exitcode\s*:\s*75 ", text)) == nproc, text[-6000:]  # every worker: EX_TEMPFAIL
     step = int(stops[0][0])
     assert (run / "checkpoints" / f"step_{step:08d}" / "meta.json").exists()
@@ -132,7 +133,7 @@ def test_usr1_to_a_bare_torchrun_agent_saves_when_it_forwards_usr1(tmp_path):
 
 def test_a_strategy_without_checkpoints_stops_without_one_and_says_so(tmp_path):
     """torch_zero writes no checkpoints: on SIGTERM its ranks still stop together after one step,
-    say that they stop without a checkpoint, and the marker records none."""
+    the one line of the job says there is no checkpoint, and the marker records none."""
     run = tmp_path / "run"
     proc, out = start(TORCHRUN_2, run, "strategy=torch_zero", "trainer.max_steps=1000")
     out.until("step 3/1000 |")
@@ -140,8 +141,11 @@ def test_a_strategy_without_checkpoints_stops_without_one_and_says_so(tmp_path):
     text = finish(proc, out, timeout=90)
     marker = json.loads((run / "preempted.json").read_text())
     assert marker["checkpoint"] is None and marker["signal"] == "SIGTERM", marker
-    said = f"strategy=torch_zero cannot write checkpoints: stopping after step {marker['step']} without one"
-    assert text.count(said) == 2, text[-6000:]  # both ranks, after the same step
+    # (torchrun forwards the SIGTERM to both ranks: one may have it before the other at the agreement)
+    said = re.findall(rf"^zerolab: stopped after step {marker['step']} of 1000 on SIGTERM \(received by [^)]+\); "
+                      r"checkpoint \(none\); no checkpoint was written \(this strategy cannot write one\)", text,
+                      re.MULTILINE)
+    assert len(said) == 1 and len(re.findall("^zerolab: stopped after", text, re.MULTILINE)) == 1, text[-6000:]
     # (torchrun, itself signalled, prints no worker's exit code; launch/torchrun.sh's test reads 75)
     assert not (run / "checkpoints").exists()
 
@@ -160,16 +164,16 @@ def test_sigterm_to_launch_script_writes_preempted_status(tmp_path):
 
 
 def test_rank_frozen_mid_backward_is_named(tmp_path):
-    # Rank 1 SIGSTOPs itself from a hook on its loss: inside autograd, in step 3. Rank 0's gradient
+    # Rank 1 SIGSTOPs itself from a hook on its loss: inside autograd, in step 4. Rank 0's gradient
     # all-reduce times out after dist.timeout_s=10; the 45 s bound counts from the stop (start-up
     # on a loaded machine is not what is measured) and is under 10 s + torchrun's 30 s grace wait.
     proc, out = start(TORCHRUN_2, tmp_path / "run", "trainer.max_steps=20", "dist.timeout_s=10",
-                       "fault.kill_rank=1", "fault.at_step=3", "fault.mode=stop", "fault.phase=backward")
-    out.until("rank 1 stops itself (SIGSTOP) in step 3 (backward)")
+                       "fault.kill_rank=1", "fault.at_step=4", "fault.mode=stop", "fault.phase=backward")
+    out.until("rank 1 stops itself (SIGSTOP) in step 4 (backward)")
     text = finish(proc, out, timeout=45)
     assert proc.returncode == 1  # torchrun's code once rank 0 named and killed the frozen rank and exited 1
-    assert "RankStopped: rank 0 was in step 3 (backward) when its collective timed out" in text, text[-6000:]
-    assert "stopped: rank 1 in step 3 (backward): frozen (stopped by a signal or a debugger); killed" in text
+    assert "RankStopped: rank 0 was in step 4 (backward) when its collective timed out" in text, text[-6000:]
+    assert "stopped: rank 1 in step 4 (backward): frozen (stopped by a signal or a debugger); killed" in text
 
 
 def rank_pid(agent_pid: int, rank: int) -> int:

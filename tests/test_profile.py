@@ -83,11 +83,13 @@ def test_known_gpus_come_from_the_table_and_others_are_measured():
     assert zp.peak_flops(2e12, ctx, torch.float32) == {"peak_flops": 2e12, "peak_flops_source": "trainer.peak_flops"}
     measured = zp.peak_flops(0.0, ctx, torch.float32)
     assert measured["peak_flops"] > 0 and measured["peak_flops_per_rank"] == [measured["peak_flops"]]
-    assert measured["peak_flops_source"].startswith("measured: ") and "float32 matmul on cpu" in measured["peak_flops_source"]
+    assert (measured["peak_flops_source"].startswith("measured: ")
+            and "float32 matmul on cpu" in measured["peak_flops_source"])
 
 
 def _ctx(world=2, rank=0):
-    return SimpleNamespace(device=torch.device("cpu"), world_size=world, rank=rank, gather_objects=lambda x: [x] * world)
+    return SimpleNamespace(device=torch.device("cpu"), world_size=world, rank=rank,
+                           gather_objects=lambda x: [x] * world)
 
 
 def test_mfu_is_tokens_per_second_per_device_times_flops_over_the_peak(tmp_path):
@@ -238,11 +240,13 @@ def test_which_steps_are_profiled_and_armed(tmp_path):
 def test_a_slow_rank_spends_its_time_once_before_the_first_forward(monkeypatch):
     slept = []
     monkeypatch.setattr("zerolab.run.fault.time.sleep", slept.append)
-    cfg = FaultConfig(slow_rank=1, slow_ms=400, at_step=3)
+    cfg = FaultConfig(slow_rank=1, slow_ms=400, at_step=3)  # step 3, as metrics.jsonl counts: loop index 2
     for rank in (0, 1):
         f = FaultInjector(cfg, rank, 2)
         for step in range(6):
             for phase in ("forward", "backward", "forward", "backward", "optimizer"):  # two micro-batches
+                if rank == 1 and step == 2 and phase == "backward":
+                    assert slept == [0.4]  # in the chosen step, before anything after its first forward
                 f.in_phase(step, phase)
     assert slept == [0.4]
 
@@ -258,6 +262,9 @@ def test_a_slow_rank_spends_its_time_once_before_the_first_forward(monkeypatch):
     (["fault.slow_rank=1", "fault.at_step=1"], "a slow rank needs all of"),
     (["fault.slow_ms=100"], "a slow rank needs all of"),
     (["fault.slow_rank=1", "fault.slow_ms=100"], "a slow rank needs all of"),
+    # fault.* counts steps as metrics.jsonl and profile.steps do: from 1
+    (["fault.kill_rank=1", "fault.at_step=0"], "fault.at_step=0: steps count from 1, as in metrics.jsonl"),
+    (["fault.inf_grad_step=0"], "fault.inf_grad_step=0: steps count from 1"),
 ])
 def test_profile_and_slow_rank_settings_are_checked(overrides, message, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
@@ -324,7 +331,8 @@ def test_a_report_without_profiled_steps_has_no_breakdown(tmp_path):
     (d / "metrics.jsonl").write_text("".join(json.dumps({k: v for k, v in m.items() if "/time/" not in k}) + "\n"
                                              for m in lines))
     result = build_report([str(d)], str(tmp_path / "report"))
-    assert "breakdown" not in result["figures"] and "Where the step goes" not in (tmp_path / "report" / "report.md").read_text()
+    assert ("breakdown" not in result["figures"]
+            and "Where the step goes" not in (tmp_path / "report" / "report.md").read_text())
 
 
 def test_figures_are_labelled_by_commit_read_from_git_files(tmp_path):

@@ -101,11 +101,11 @@ def test_mfu_is_its_formula_from_the_logged_figures(runs):
 
 
 def test_a_straggler_shows_as_the_others_exposed_wait(tmp_path):
-    # Rank 1 sleeps 400 ms before its first forward of step 4 (0-based at_step=3). gpt_mid: its
+    # Rank 1 sleeps 400 ms before its first forward of step 4 (fault.at_step=4). gpt_mid: its
     # forward+backward takes ~0.1 s on a rank here, so the 400 ms dominates the step.
     d = tmp_path / "slow"
     ranks.train(d, 2, "strategy=zero2", "model=gpt_mid", *STEPS, PROFILE, "fault.slow_rank=1", "fault.slow_ms=400",
-                "fault.at_step=3")
+                "fault.at_step=4")
     m = next(m for m in read_metrics(d) if m["step"] == 4)
     check_parts(m)
     fast, slow = parts(m, 0), parts(m, 1)

@@ -50,7 +50,8 @@ def test_fresh_start_over_a_record_is_refused_with_every_way_on(tmp_path, monkey
     assert isinstance(info.value, ConfigError) and info.value.same_on_every_rank  # exit 2, said by rank 0
     assert "metrics.jsonl (steps 1-10)" in msg and "summary.json" in msg and "model.safetensors" in msg
     assert "checkpoint.resume=auto (from step_00000008)" in msg and "another run.dir" in msg
-    assert "run.overwrite=true (it removes metrics.jsonl, summary.json, model.safetensors, wandb_run_id, checkpoints)" in msg
+    assert ("run.overwrite=true (it removes metrics.jsonl, summary.json, model.safetensors, wandb_run_id, "
+            "checkpoints)") in msg
     assert snapshot(run) == before  # nothing touched
 
 

@@ -95,7 +95,8 @@ def test_a_kill_inside_the_cut_leaves_the_old_record(chain):
 
 def test_wandb_keeps_one_run_per_record(chain):
     runs = wandb_offline_runs(chain["run"])
-    assert len(runs) == 3, [r["path"] for r in runs]  # first run, resume=auto, resume from 12 (the killed one never started wandb)
+    # first run, resume=auto, resume from 12 (the killed one never started wandb)
+    assert len(runs) == 3, [r["path"] for r in runs]
     assert {r["id"] for r in runs} == {(chain["run"] / "wandb_run_id").read_text().strip()}
     assert [r["steps"] for r in runs] == [list(range(1, 11)), list(range(11, 16)), list(range(13, 16))]
     for r in runs:

@@ -188,7 +188,8 @@ def test_a_7b_llama_on_64_ranks_rehearses_on_this_machine(tmp_path):
                       "model.block_size=4096", "strategy=zero3", "precision=bf16", "optim=adamw",
                       "data.micro_batch=1", "model.activation_checkpointing=blocks", timeout=540)
     r = json.loads(proc.stdout)
-    print(f"7B on 64 ranks: {r['steps']} steps rehearsed in {r['seconds']:.1f} s, RSS {r['rss_peak_bytes'] / 2**30:.2f} GiB")
+    print(f"7B on 64 ranks: {r['steps']} steps rehearsed in {r['seconds']:.1f} s, "
+          f"RSS {r['rss_peak_bytes'] / 2**30:.2f} GiB")
     psi = r["n_params"]
     assert psi == 6_738_415_616  # Llama-2-7B
     states_bytes = r["measured"]["mem/model_states_bytes"]

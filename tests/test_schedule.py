@@ -58,7 +58,8 @@ def test_resume_at_another_world_size_keeps_the_rule():
     # Same batch: nothing to say. No scaling rule: the lr stays and the message says how to scale.
     assert LRSchedule.from_config(cfg, 64, 100).resume_from(saved) is None
     none = LRSchedule.from_config(OptimConfig(name="sgd", lr=0.4), 32, 100)
-    assert "lr_scaling=none" in none.resume_from(asdict(LRSchedule.from_config(OptimConfig(name="sgd", lr=0.4), 64, 100)))
+    assert "lr_scaling=none" in none.resume_from(
+        asdict(LRSchedule.from_config(OptimConfig(name="sgd", lr=0.4), 64, 100)))
     assert none.peak_lr == 0.4
 
 

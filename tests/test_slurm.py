@@ -23,7 +23,8 @@ import pytest
 
 import torch
 
-from conftest import ROOT, Output, assert_same_weights, base_env, load_weights, missing, read_metrics, run_process, run_train
+from conftest import (ROOT, Output, assert_same_weights, base_env, load_weights, missing, read_metrics, run_process,
+                      run_train)
 
 pytestmark = pytest.mark.slow  # every test here starts processes (see conftest: tiers)
 
@@ -176,7 +177,7 @@ def test_srun_ranks_without_torchrun_match(cluster, zero2_job, tmp_path):
 def test_failed_run_writes_failed(cluster, tmp_path):
     # Rank 1 exits abruptly before its first step; torchrun stops the other rank, srun and the job fail.
     proc, job, log = sbatch_wait(cluster, tmp_path, *TRAIN, f"run.dir={tmp_path}/run",
-                                 "fault.kill_rank=1", "fault.at_step=0", "fault.mode=exit")
+                                 "fault.kill_rank=1", "fault.at_step=1", "fault.mode=exit")
     assert_job_ended(proc.returncode, log, "failed")
     assert (tmp_path / "run" / "status").read_text().strip() == "failed", log
 
@@ -210,20 +211,20 @@ def test_usr1_before_time_limit_writes_timeout(cluster, tmp_path):
     `scancel --signal=USR1 --batch`, stops the ranks and marks the run `timeout`."""
     run = tmp_path / "run"
     env = dict(cluster["job_env"], ZEROLAB_LAUNCH="torchrun")
-    # Rank 0 hangs before step 1 (after step 0 is logged): the job runs until it is stopped.
+    # Rank 0 hangs before step 2 (after step 1 is logged): the job runs until it is stopped.
     # The job's output goes into a FIFO the test reads (conftest.Output: every wait has a
-    # deadline): the fault's own message ("... fails before step 1") says training is under way.
+    # deadline): the fault's own message ("... fails before step 2") says training is under way.
     fifo = tmp_path / "job.out"
     os.mkfifo(fifo)
     cmd = ["sbatch", "--wait", "--parsable", f"--output={fifo}", str(SBATCH), *TRAIN,
-           f"run.dir={run}", "trainer.max_steps=1000", "fault.kill_rank=0", "fault.at_step=1", "fault.mode=hang"]
+           f"run.dir={run}", "trainer.max_steps=1000", "fault.kill_rank=0", "fault.at_step=2", "fault.mode=hang"]
     with submitted(cmd, env) as (sbatch, job):
         out = Output(fifo)
-        out.until("zerolab fault injection: rank 0 fails before step 1")
+        out.until("zerolab fault injection: rank 0 fails before step 2")
         subprocess.run(["scancel", "--signal=USR1", "--batch", job], env=env, check=True, timeout=30)
         log = out.rest(timeout=120)  # until the job closes its output
         sbatch.wait(timeout=120)
-    assert read_metrics(run), log  # step 0 was logged before the hang
+    assert read_metrics(run), log  # step 1 was logged before the hang
     assert_job_ended(sbatch.returncode, log, "timeout")
     assert (run / "status").read_text().strip() == "timeout", log
 

@@ -70,7 +70,8 @@ def _code_words(path: Path) -> set[str]:
         if tok.type == tokenize.STRING and prev in (tokenize.INDENT, tokenize.NEWLINE, tokenize.DEDENT, None):
             prev = tok.type  # a docstring (a string statement of its own)
             continue
-        if tok.type in (tokenize.NAME, tokenize.STRING, tokenize.FSTRING_MIDDLE if hasattr(tokenize, "FSTRING_MIDDLE") else -1):
+        if tok.type in (tokenize.NAME, tokenize.STRING,
+                        tokenize.FSTRING_MIDDLE if hasattr(tokenize, "FSTRING_MIDDLE") else -1):
             words |= set(re.findall(r"[A-Za-z_][A-Za-z0-9_]*", tok.string.lower()))
         if tok.type not in (tokenize.NL, tokenize.COMMENT):
             prev = tok.type

@@ -13,7 +13,8 @@ def test_compare_sweep_runs_each_job_under_torchrun(tmp_path):
     proc = run_python(str(ROOT / "train.py"), "-m", "experiment=compare", "strategy=ddp,torch_zero",
                       "model=gpt_tiny", "data.micro_batch=4", "trainer.max_steps=4", "trainer.eval_every=2",
                       f"run.root={tmp_path / 'runs'}",
-                      "logging.wandb.mode=disabled", cwd=tmp_path, timeout=540)  # 4 jobs; generous: a loaded 2-core machine
+                      "logging.wandb.mode=disabled", cwd=tmp_path,
+                      timeout=540)  # 4 jobs; generous: a loaded 2-core machine
     sweeps = list((tmp_path / "runs" / "compare").iterdir())
     assert len(sweeps) == 1
     sweep = sweeps[0]
@@ -43,7 +44,8 @@ def test_compare_sweep_runs_each_job_under_torchrun(tmp_path):
 
 def test_failed_job_is_reported_and_the_sweep_fails(tmp_path):
     proc = run_python(str(ROOT / "train.py"), "-m", "experiment=compare", "strategy=ddp",
-                      "trainer.max_steps=2", "data.global_batch=7", "hydra.launcher.report=false", "hydra.launcher.rounds=1",
+                      "trainer.max_steps=2", "data.global_batch=7", "hydra.launcher.report=false",
+                      "hydra.launcher.rounds=1",
                       f"run.root={tmp_path / 'runs'}", "logging.wandb.mode=disabled", cwd=tmp_path, check=False)
     assert proc.returncode == 1  # the launcher raises after the sweep: Hydra's exit code 1
     assert "FAILED" in proc.stderr and "data.global_batch=7" in proc.stderr

@@ -9,7 +9,7 @@ import json
 import numpy as np
 import pytest
 
-from conftest import generated_corpus_bytes
+from conftest import ROOT, base_env, generated_corpus_bytes, run_process
 from zerolab.config import ConfigError, DataConfig, compose
 from zerolab.data import (TokenData, WindowSampler, check_data, check_token_file, dtype_for_vocab, prepare,
                           prepare_tokens, read_sidecar, scan_max, write_sidecar)
@@ -164,6 +164,69 @@ def test_prepare_cli_refuses_in_zerolab_words(tmp_path, capsys):
     assert cli_main(["prepare", "--src", str(tmp_path / "a.txt"), "--out", str(tmp_path / "o.bin"),
                      "--tokenizer", str(tmp_path / "missing.json")]) == 2
     assert "tokenizer" in capsys.readouterr().err and not (tmp_path / "o.bin").exists()
+
+
+def test_a_killed_prepares_temporary_files_are_removed_by_the_next_and_said(tmp_path, capsys):
+    """Temporary files of the token file, its sidecar and a trained tokenizer, named for a pid no
+    process can have (above Linux's pid_max, 2^22): the next prepare of that output removes each and
+    says so. A live process's (pid 1's), one whose lock a live writer holds (a prepare on another
+    machine of a shared filesystem), and another output's are left alone."""
+    import fcntl
+    import os
+
+    (tmp_path / "a.txt").write_text("some text " * 50)
+    dead = 2**22 + 1
+    stale = [tmp_path / f"o.bin.tmp.{dead}", tmp_path / f"o.bin.json.tmp.{dead}",
+             tmp_path / f"o.tokenizer.json.tmp.{dead}"]
+    kept = [tmp_path / "o.bin.tmp.1", tmp_path / f"o.bin.tmp.{dead + 1}", tmp_path / f"p.bin.tmp.{dead}"]
+    for path in stale + kept:
+        path.write_bytes(b"\0" * 300_000)
+    with open(kept[1]) as held:
+        fcntl.flock(held.fileno(), fcntl.LOCK_EX)  # as a live writer holds its file (zerolab.data.stale.hold)
+        assert cli_main(["prepare", "--src", str(tmp_path / "a.txt"), "--out", str(tmp_path / "o.bin")]) == 0
+    said = capsys.readouterr().out
+    for path in stale:
+        assert not path.exists()
+        assert (f"removed {path} (0.3 MB), the temporary file of an earlier prepare (pid {dead}) that was killed "
+                "before it finished") in said, said
+    assert all(path.exists() for path in kept) and said.count("removed ") == 3, said
+    assert sorted(os.listdir(tmp_path)) == sorted(["a.txt", "o.bin", "o.bin.json", *(p.name for p in kept)])
+
+
+@pytest.mark.slow
+def test_a_prepare_killed_while_it_writes_leaves_nothing_after_the_next(tmp_path):
+    """A real prepare, SIGKILLed while its token file is being written (it reads a FIFO source: once
+    the test's open of the FIFO for writing returns, the prepare has opened it, after its temporary
+    file): the file it left is removed by the next prepare of the same output, which says so."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    src = tmp_path / "src"
+    src.mkdir()
+    fifo = src / "stream.txt"
+    os.mkfifo(fifo)
+    out = tmp_path / "o.bin"
+    cmd = [sys.executable, "-m", "zerolab", "data", "prepare", "--src", str(src), "--out", str(out), "--workers", "1"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=base_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        with open(fifo, "wb") as writer:  # returns once the prepare opened the FIFO to read it
+            writer.write(b"some text " * 1000)
+            writer.flush()
+            left = sorted(p.name for p in tmp_path.glob("o.bin.tmp.*"))
+            assert left == [f"o.bin.tmp.{proc.pid}"], left
+            proc.send_signal(signal.SIGKILL)
+            assert proc.wait(timeout=60) == -signal.SIGKILL
+    finally:
+        proc.kill()
+        proc.wait()
+    fifo.unlink()
+    (src / "a.txt").write_text("other text " * 50)
+    rerun = run_process(cmd, timeout=120)
+    assert rerun.returncode == 0, rerun.stderr
+    assert f"removed {tmp_path / left[0]} (" in rerun.stdout and f"(pid {proc.pid}) that was killed" in rerun.stdout
+    assert not list(tmp_path.glob("o.bin.tmp.*")) and out.exists()
 
 
 def test_train_tokenizer_gives_gpt2s_shape_beside_the_output(tmp_path):

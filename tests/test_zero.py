@@ -148,7 +148,8 @@ def test_optimizer_memory_is_one_nth_of_ddp(world):
                 assert 0 <= mem["optim_state"] * n - 8 * psi <= padding * n
                 if ":bf16:" in case:  # same 12 B/param as DDP-bf16's master + m + v, over N
                     assert 0 <= mem["master"] * n - 4 * psi <= padding * n
-                    assert abs((mem["optim_state"] + mem["master"]) * n - (ddp["optim_state"] + ddp["master"])) <= padding * n
+                    assert abs((mem["optim_state"] + mem["master"]) * n
+                               - (ddp["optim_state"] + ddp["master"])) <= padding * n
                 else:
                     assert mem["master"] == 0, mem  # the shard is the owned chunk of the fp32 weights
                 if strategy == "zero2":

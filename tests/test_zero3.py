@@ -134,9 +134,11 @@ def test_world1_equals_ddp_with_each_precision_category(ctx, tmp_path):
     assert rel_l2_diff(weights["zero3", "fp32"], weights["ddp", "fp32"]) < FP32_TOL
     assert torch.equal(weights["zero3", "fp32"]["lm_head.weight"], weights["zero3", "fp32"]["wte.weight"])
     # bf16: the gradient shard is kept in the reduce dtype (bf16 with reduce_dtype=auto)
-    for precision, (param_b, master_b, grad_b) in {"fp32": (4, 0, 4), "bf16": (2, 4, 2), "bf16_pure": (2, 0, 2)}.items():
+    for precision, (param_b, master_b, grad_b) in {"fp32": (4, 0, 4), "bf16": (2, 4, 2),
+                                                   "bf16_pure": (2, 0, 2)}.items():
         m = memory["zero3", precision]
-        assert (m["params"], m["master"], m["grads"]) == (param_b * padded, master_b * padded, grad_b * padded), precision
+        assert (m["params"], m["master"], m["grads"]) == (param_b * padded, master_b * padded,
+                                                          grad_b * padded), precision
         assert m["optim_state"] == 2 * (4 if precision != "bf16_pure" else 2) * padded and m["buffers"] == 0
 
 
@@ -297,7 +299,7 @@ def test_bf16_and_fp16_match_ddp_at_their_noise(world):
     element. The master is 4 bytes per element, the weights and the gradient shard 2
     (reduce_dtype=auto: the shard holds what the bf16 reduce-scatter delivers). fp16: the same
     argument with fp16's ulp (2^-11 = 4.9e-4; measured 5.0e-5 on 2026-12-01, 10x below). The inf injected on rank
-    0 at step 3 makes every rank of both strategies skip exactly that step."""
+    0 in step 4 (fault.inf_grad_step=4: loop index 3) makes every rank of both strategies skip exactly that step."""
     n, out, results, _ = world
     bf16 = "1:adamw:bf16"
     assert rel_l2_diff(weights(out, bf16, "zero3"), weights(out, bf16, "ddp")) < 2 ** -8  # 28x the measured 1.4e-4

@@ -19,5 +19,6 @@ optim_cli.lr_main, memory_cli.optim_state_main  # zerolab.__main__.COMMANDS name
 deepspeed.DeepSpeedStrategy, fsdp.FSDPStrategy, torch_zero.TorchZeroStrategy
 zero.Zero1Strategy, zero.Zero2Strategy, zero3.Zero3Strategy
 base.Strategy.zerolab_sharder  # read by names_where(zerolab_sharder=True) in bench/zero.py
-_.pre_tokenizer, _.decoder, _.post_processor  # tokenizers.Tokenizer properties set in zerolab/data/prepare.py, read by the library
+# tokenizers.Tokenizer properties set in zerolab/data/prepare.py, read by the library
+_.pre_tokenizer, _.decoder, _.post_processor
 _.use_cache  # a transformers config attribute set in zerolab/models/sources.py, read by the model's forward

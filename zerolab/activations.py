@@ -1,6 +1,7 @@
 """Activations: the bytes a forward leaves behind for its backward, measured and predicted.
 
-Measured (`ActivationMeter`, zerolab/accounting/saved.py, below the models that report to it): a forward run inside the meter counts every tensor autograd saves
+Measured (`ActivationMeter`, zerolab/accounting/saved.py, below the models that report to it): a
+forward run inside the meter counts every tensor autograd saves
 for backward (torch.autograd.graph.saved_tensors_hooks), each storage once, so the q, k and v
 views of one qkv output count as that one buffer. Parameters saved for backward (a Linear saves
 its weight, a LayerNorm its weight and bias) are model states, not activations: the meter leaves

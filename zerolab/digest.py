@@ -12,7 +12,8 @@ Two questions decide whether two strategies trained the same model:
    Rank 0 finds such elements from the run itself: it recomputes the gradient of the digest
    batches at the final weights in float64 (rounding ~1e-16, so a zero gradient shows as ~0)
    and in fp32, and marks each element whose float64 |g| is no larger than the fp32 result's
-   error: a gradient fp32 cannot resolve, so its direction is rounding noise. Their flat indices go to `grad_noise.safetensors`; the
+   error: a gradient fp32 cannot resolve, so its direction is rounding noise. Their flat indices go to
+   `grad_noise.safetensors`; the
    report compares weights without them and lists them apart.
 """
 from __future__ import annotations

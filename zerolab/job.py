@@ -76,7 +76,7 @@ def run(dcfg: DictConfig | Config) -> Optional[dict]:
     except RuntimeError as err:
         if trainer is not None:
             try:
-                trainer.progress.blame(err)  # raises naming the rank that stopped, if one did
+                trainer.watch.board.blame(err)  # raises naming the rank that stopped, if one did
             except RankStopped as named:
                 stop_now(named)
         raise

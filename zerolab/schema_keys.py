@@ -53,7 +53,8 @@ def suggest(key: str) -> str:
     if section in SCHEMA_KEYS and not isinstance(SCHEMA_KEYS[section], type):
         return f"{section} is a value, with no keys below it."
     if section in SCHEMA_KEYS:
-        names = [k[len(section) + 1:] for k in SCHEMA_KEYS if k.startswith(section + ".") and k.count(".") == key.count(".")]
+        names = [k[len(section) + 1:] for k in SCHEMA_KEYS
+                 if k.startswith(section + ".") and k.count(".") == key.count(".")]
         return f"{section} has: {', '.join(names)}."
     return f"the top-level keys are: {', '.join(k for k in SCHEMA_KEYS if '.' not in k)}."
 

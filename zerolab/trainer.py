@@ -20,19 +20,19 @@ from typing import Optional
 import torch
 
 from zerolab import dist as zdist
-from zerolab.atomic import atomic_write_json
 from zerolab.checkpoint import Checkpointer, model_layout
 from zerolab.data import WindowSampler, build_data
 from zerolab.digest import write_digest
 from zerolab.errors import ZerolabError
 from zerolab.models import build_model, count_params, lm_loss, param_groups
+from zerolab.models.blocks_report import say_blocks
 from zerolab.optim import build_optimizer
 from zerolab.optim.schedule import LRSchedule
 from zerolab.precision import Precision
 from zerolab.run import directory as rundir, record as run_record
 from zerolab.run.instruments import Instruments
 from zerolab.run.metrics import MetricsSink
-from zerolab.run.preempt import MARKER, Preempted, StopRequest
+from zerolab.run.preempt import MARKER, StopRequest, stop_run
 from zerolab.run.results import FinalFiles, run_summary, say_where, skipped_error
 from zerolab.schema import Config, global_batch, to_dict
 from zerolab.strategies import strategy_class
@@ -69,6 +69,7 @@ class Trainer:
         torch.manual_seed(t.seed)  # same initial weights on every rank
         model = model.to(ctx.device) if model is not None else build_model(cfg.model, device=ctx.device)
         self.n_params, layout = count_params(model), model_layout(model)  # before a strategy partitions parameters
+        self.blocks = say_blocks(model, cfg.model.blocks, ctx.is_main)  # before a strategy wraps them
         self.watch = Instruments(cfg, ctx, model, run_dir, self.precision.compute_dtype)  # before sharding
         self.memory = self.watch.memory
         self.strategy = strategy_class(cfg.strategy.name)(cfg, ctx, self.precision)
@@ -81,12 +82,12 @@ class Trainer:
         self.global_batch = global_batch(cfg, ctx.world_size)
         self.sampler = WindowSampler(n_windows, t.seed, cfg.data.micro_batch, t.grad_accum_steps, ctx.world_size)
         self.schedule = LRSchedule.from_config(cfg.optim, self.global_batch, t.max_steps)
-        self.checkpointer = Checkpointer(cfg, ctx, self.run_dir, layout)
+        self.checkpointer = Checkpointer(cfg, ctx, self.run_dir, layout, model)  # model: each rank's buffers
         self.start_step = 0
         if cfg.checkpoint.resume:  # weights, optimizer state, RNG, loss scale; data and LR follow the step
             self.start_step = self.checkpointer.resume(self.strategy, self.schedule, self.sampler)
-        if ctx.is_main:  # one history: the record is cut back to the step this run starts from
-            run_record.cut_back(self.run_dir, self.start_step, before_replace=self.watch.fault.in_record_cut)
+        # one history: the record is cut back to the step this run starts from (rank 0 cuts, all agree)
+        run_record.cut_back_agreed(ctx, self.checkpointer, self.start_step, self.watch.fault.in_record_cut)
         self.metrics = MetricsSink(self.run_dir, cfg.logging, ctx.is_main, cfg.experiment,
                                    cfg.strategy.name, to_dict(cfg))
         if ctx.is_main:
@@ -172,10 +173,12 @@ class Trainer:
                 self.strategy.comm.pop_step()
             self.watch.advance()
             saved = self.save(step + 1) if self.saves_step(step) else None
-            # One tiny all-reduce per step: a stop signal seen by any rank stops all after this step.
-            if step + 1 < t.max_steps and StopRequest.agreed(ctx.world_size, ctx.host_group):
+            # One tiny all-reduce per step: a stop signal, or a write that did not fit, on any rank stops
+            # all after this step.
+            stop = StopRequest.agreed(ctx.world_size, ctx.host_group)
+            if stop and (step + 1 < t.max_steps or stop.write_failed):
                 self.watch.end_progress()
-                self.preempt(step + 1, saved)
+                self.stop(step + 1, saved, stop)
         self.watch.end_progress()
         summary = self.finish(run, clock.times())
         if summary.get("error"):  # after summary.json is written, so the record of the failure exists
@@ -231,24 +234,16 @@ class Trainer:
         self.watch.at("checkpoint")
         return self.checkpointer.save(done, self.strategy, self.schedule, self.sampler)
 
-    def preempt(self, done: int, saved: Optional[str]) -> None:
-        """Every rank agreed to stop after `done` steps: checkpoint (unless this step's periodic
-        save already did), record why, and raise Preempted (exit code zerolab.run.preempt.EXIT_PREEMPTED)."""
-        cfg, ctx = self.cfg, self.ctx
-        why = StopRequest.signal_name or "a stop signal received by another rank"
-        path = saved
-        if path is None and self.strategy.checkpoint_format != "none":
-            path = self.save(done)
-        elif path is None:
-            log.warning("strategy=%s cannot write checkpoints: stopping after step %d without one",
-                        cfg.strategy.name, done)
-        record = {"step": done, "stopped": "preempted", "signal": why, "checkpoint": path}
-        if ctx.is_main:
-            self.metrics.log(record)
-            atomic_write_json(os.path.join(self.run_dir, MARKER), {**record, "max_steps": cfg.trainer.max_steps})
-        self.metrics.close({"stopped": "preempted", "stopped_at_step": done})
-        self.watch.close()
-        raise Preempted.after(done, cfg.trainer.max_steps, why, path, self.run_dir)
+    def stop(self, done: int, saved: Optional[str], stop) -> None:
+        """Every rank agreed to stop after `done` steps (zerolab.run.preempt.stop_run): on a signal,
+        checkpoint (unless this step's save did), record why and raise Preempted (exit code 75); on a
+        write that did not fit, raise DiskFull, saying what was written (exit code 1)."""
+        save = partial(self.save, done) if self.strategy.checkpoint_format != "none" else None
+        try:
+            stop_run(stop, cfg=self.cfg, ctx=self.ctx, run_dir=self.run_dir, done=done, saved=saved, save=save,
+                     metrics=self.metrics, checkpointer=self.checkpointer)
+        finally:
+            self.watch.close()
 
     def finish(self, run: RunSoFar, step_times: list[float]) -> dict:
         """Final weights and summary.json first, then the final eval (when the last step ran),
@@ -260,6 +255,7 @@ class Trainer:
                               eval_loss=None if run.last_record else run.eval_loss, step_times=step_times,
                               skipped=int(run.skipped), run_dir=self.run_dir, metrics_path=self.metrics.path,
                               memory=self.watch.summary(run.per_rank, step_times))
+        summary["blocks"] = self.blocks  # which modules were the repeated blocks, and how they were found
         error = skipped_error(cfg, self.precision.scaler, self.start_step, int(run.skipped), len(step_times))
         if error:
             summary["error"] = error

@@ -113,7 +113,8 @@ class TorchrunLauncher(Launcher):
             ret = JobReturn(overrides=list(overrides), working_dir=str(run_dir), task_name=name)
             if failed and self.stop_on_failure:
                 entry["status"] = "not run"
-                ret.status, ret._return_value = JobStatus.FAILED, SweepJobFailed(f"{name}: not run (an earlier job failed)")
+                ret.status, ret._return_value = JobStatus.FAILED, SweepJobFailed(
+                    f"{name}: not run (an earlier job failed)")
             else:
                 print(f"[sweep {n_done + 1}/{len(schedule)}] {' '.join(job_args)}"
                       + (f" (round {rnd + 1}/{self.rounds})" if self.rounds > 1 else ""), flush=True)

@@ -43,7 +43,7 @@ def main(out_dir: str, steps: int, cases: list[str], corpus: str) -> None:
                          "run.save_model=false", "strategy.bucket_mb=0.05",  # several buckets per unit
                          f"data.path={corpus}", f"run.dir={out_dir}/runs/{case.replace(':', '_')}_{label}"]
             if "+inf" in case:
-                overrides += ["fault.inf_grad_step=3", "fault.inf_grad_rank=0", "precision.initial_scale=1024"]
+                overrides += ["fault.inf_grad_step=4", "fault.inf_grad_rank=0", "precision.initial_scale=1024"]
             cfg = compose(overrides)
             torch.manual_seed(cfg.trainer.seed)
             trainer = Trainer(cfg, ctx)

@@ -40,8 +40,9 @@ from zerolab.checkpoint.store import (check_compatible, check_resume_path, list_
 # The names these had when zerolab.checkpoint was one module (tests and scripts import them).
 _meta_text, _check_compatible = meta_text, check_compatible
 
-__all__ = ["Checkpointer", "checkpoint_dir", "CheckpointError", "EXPORT_DTYPES", "FORMAT", "FORMATS", "FORMAT_VERSION", "LATEST",
-           "META", "PieceReader", "check_compatible", "check_resume_path", "check_torch_file", "export", "export_main", "import_weights",
+__all__ = ["Checkpointer", "checkpoint_dir", "CheckpointError", "EXPORT_DTYPES", "FORMAT", "FORMATS", "FORMAT_VERSION",
+           "LATEST", "META", "PieceReader", "check_compatible", "check_resume_path", "check_torch_file", "export",
+           "export_main", "import_weights",
            "list_checkpoints", "load_torch_file", "meta_digest", "meta_text", "model_layout", "newest_good",
            "optimizer_scalars", "read_meta", "resolve", "restore_optimizer_scalars", "safe_torch_load", "verify",
            "write_safetensors", "writer_class"]

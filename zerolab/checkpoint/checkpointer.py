@@ -3,7 +3,10 @@
 The strategy says what it writes (Strategy.checkpoint_format): "pieces" (its rank's name-keyed
 pieces, zerolab/checkpoint/reshard.py) or "native" (its own files, written by save_native into the
 checkpoint directory, which zerolab checksums). Every rank also writes rank<r>.safetensors with its
-RNG state (and its pieces, for that format); rank 0 writes meta.json and publishes.
+RNG state and its own model buffers (and its pieces, for that format); rank 0 writes meta.json and
+publishes. Model buffers (BatchNorm statistics, a custom running scale) are model state that each
+rank updates from its own batches: each rank saves its own, and a resume at the same world size
+gives each its own back; at another world size every rank loads rank 0's (reshard.py says why).
 """
 from __future__ import annotations
 
@@ -15,14 +18,15 @@ from dataclasses import asdict
 
 import torch
 
-from zerolab.checkpoint.format import FORMAT, FORMAT_VERSION, META, CheckpointError, meta_text, read_meta, \
-    write_safetensors
-from zerolab.checkpoint.reshard import PieceReader, optimizer_scalars, restore_optimizer_scalars, rng_tensors
+from zerolab.checkpoint.format import BUFFERS_FORMAT_VERSION, FORMAT, FORMAT_VERSION, META, CheckpointError, \
+    meta_text, read_meta, write_safetensors
+from zerolab.checkpoint.reshard import BUFFER_PREFIX, PieceReader, buffer_source, module_buffers, optimizer_scalars, \
+    restore_optimizer_scalars, rng_tensors
+from zerolab.checkpoint import room
 from zerolab.checkpoint.store import (bytes_of, check_compatible, list_checkpoints, make_room, newest_good, prune,
                                       publish, record_files, resolve, verify)
 
 log = logging.getLogger("zerolab")
-SAVE_MARGIN_BYTES = 64 * 1024  # disk-full advice: room a save needs beyond the previous checkpoint's size
 
 
 def _on_every_rank(err: CheckpointError) -> CheckpointError:
@@ -38,9 +42,12 @@ def checkpoint_dir(cfg, run_dir: str) -> str:
 
 
 class Checkpointer:
-    def __init__(self, cfg, ctx, run_dir: str, layout: dict):
-        self.cfg, self.ctx, self.layout = cfg, ctx, layout
-        self.dir = checkpoint_dir(cfg, run_dir)
+    def __init__(self, cfg, ctx, run_dir: str, layout: dict, model: "torch.nn.Module | None" = None):
+        """`layout`: model_layout of the model, taken before the strategy partitioned it; `model`:
+        that module, which the strategy trains (not a wrapper), whose buffers each rank saves.
+        Without it a model that has persistent buffers cannot be checkpointed."""
+        self.cfg, self.ctx, self.layout, self.model = cfg, ctx, layout, model
+        self.run_dir, self.dir = os.path.abspath(run_dir), checkpoint_dir(cfg, run_dir)
         self.last_saved: str | None = None  # the newest checkpoint this run wrote
 
     # ---- save ----------------------------------------------------------------------------------
@@ -52,8 +59,9 @@ class Checkpointer:
         strategy.settle()  # a step decided on the device may have left non-finite weights: never save them
         ctx, name = self.ctx, f"step_{step:08d}"
         tmp, final = os.path.join(self.dir, f".tmp-{name}"), os.path.join(self.dir, name)
-        if self.layout["buffers"]:
-            raise CheckpointError(f"model buffers {self.layout['buffers']} are not saved by zerolab checkpoints yet")
+        if self.layout["buffers"] and self.model is None:
+            raise CheckpointError(f"model buffers {self.layout['buffers'][:5]} cannot be saved: this Checkpointer "
+                                  "was given no module to read them from (Checkpointer(..., model=the module))")
         failure = None
         if ctx.is_main:
             try:
@@ -105,13 +113,17 @@ class Checkpointer:
                           "dtype": str(pc.tensor.dtype).removeprefix("torch.")})
         for key, t in rng_tensors(ctx.device).items():
             entries.append((key, t.dtype, tuple(t.shape), lambda t=t: t))
+        if self.layout["buffers"]:  # each rank its own (they differ: each updates them from its own batches)
+            for name, t in module_buffers(self.model, self.layout["buffers"]).items():
+                entries.append((BUFFER_PREFIX + name, t.dtype, tuple(t.shape), lambda t=t: t.detach()))
         fname = f"rank{ctx.rank}.safetensors"
         info = write_safetensors(os.path.join(tmp, fname), entries, {"format": FORMAT, "rank": ctx.rank, "step": step})
         return {"file": fname, "rank": ctx.rank, **info, "pieces": index,
                 "scalars": {} if native else optimizer_scalars(strategy.optimizer)}
 
     def _failure(self, step: int, err: Exception, writing: str) -> str:
-        """One paragraph: where, what happened, how much space a save needs, what to do."""
+        """One paragraph: where, what happened, how much room the rest of the run needs and where it
+        can be made, what to do."""
         import errno
 
         where = getattr(err, "filename", None) or writing  # a failed write() names no file
@@ -119,25 +131,9 @@ class Checkpointer:
         prev = kept[0] if kept else None
         if getattr(err, "errno", None) in (errno.ENOSPC, errno.EDQUOT):
             what = "no space left on the device" if err.errno == errno.ENOSPC else "disk quota exceeded"
-            tmp = os.path.join(self.dir, f".tmp-step_{step:08d}")
-            try:  # free once the unfinished save is removed (it is, before the error is raised)
-                free = shutil.disk_usage(self.dir).free + (bytes_of(tmp) if os.path.isdir(tmp) else 0)
-            except OSError:
-                free = None
-            # A checkpoint of this run on this disk, with a margin for what grows between saves and what a
-            # save writes beside it (meta.json, `latest` and its temporary copy, directory entries).
-            need = bytes_of(prev) + SAVE_MARGIN_BYTES if prev is not None else None
-            keep = self.cfg.checkpoint.keep_last
-            held = max(keep - 1, 1) if keep > 0 else len(kept)
-            room = (f"while it writes a checkpoint zerolab keeps {held} older one(s) (checkpoint.keep_last={keep}; "
-                    f"the newest good one always)")
-            if need is not None and free is not None:
-                what += (f"; a checkpoint of this run takes {need} bytes on this disk (the previous one, plus "
-                         f"{SAVE_MARGIN_BYTES // 1024} KiB of margin) and {free} bytes are free beside what is kept: {room}")
-                fix = (f"free at least {max(need - free, 0) + 1} bytes under {self.dir}, or point checkpoint.dir "
-                       f"at a filesystem with room for {held + 1} checkpoints ({(held + 1) * need} bytes)")
-            else:
-                what += (f"; {free} bytes are free" if free is not None else "") + f": {room}"
+            try:
+                what, fix = self._room_advice(step, prev, kept, what)
+            except OSError:  # the filesystem cannot even be measured
                 fix = f"free space under {self.dir}, or point checkpoint.dir at a larger filesystem"
         else:
             what = getattr(err, "strerror", None) or f"{type(err).__name__}: {err}"
@@ -146,6 +142,35 @@ class Checkpointer:
                   f"checkpoint.resume={prev} with another checkpoint.dir)" if prev else "No earlier checkpoint exists")
         return (f"rank {self.ctx.rank}: saving the checkpoint of step {step} failed writing {where}: {what}. "
                 f"The unfinished save was removed. To fix: {fix}. {intact}.")
+
+    def _room_advice(self, step: int, prev: "str | None", kept: list, what: str) -> tuple[str, str]:
+        """(what happened, what to do) for a full disk: the bytes the rest of the run writes on each
+        filesystem after a resume from `prev` (zerolab.checkpoint.room), against what is free there."""
+        keep = self.cfg.checkpoint.keep_last
+        held = max(keep - 1, 1) if keep > 0 else len(kept)
+        resume_at = room.step_of(prev) if prev else 0
+        saves = 1 if keep > 0 else max(room.saves_left(self.cfg, resume_at), 1)
+        # A checkpoint of this run on this disk (with a margin for what a save writes beside it), or
+        # before the first one an estimate from the model's size.
+        need = bytes_of(prev) + room.SAVE_MARGIN_BYTES if prev else room.checkpoint_estimate(self.layout)
+        rest = room.rest_of_run(self.cfg, self.layout, self.run_dir, self.dir, resume_at, need, saves)
+        mount = room.mount_point(self.dir)
+        tmp = os.path.join(self.dir, f".tmp-step_{step:08d}")  # removed before the error is raised
+        freed = bytes_of(tmp) if os.path.isdir(tmp) else 0
+        rest = [(m, n, f + freed if f is not None and m == mount else f, parts) for m, n, f, parts in rest]
+        free = next(f for m, _, f, _ in rest if m == mount)
+        what += (f"; a checkpoint of this run takes {need} bytes on this disk ("
+                 + (f"the previous one, plus {room.SAVE_MARGIN_BYTES // 1024} KiB of margin" if prev else "estimated")
+                 + f") and {free} bytes are free beside what is kept: while it writes a checkpoint zerolab keeps "
+                 f"{held} older one(s) (checkpoint.keep_last={keep}; the newest good one always)")
+        shared = len(rest) == 1
+        fix = (room.free_advice(rest) or f"free space on the filesystem mounted at {mount}") + (
+            f" ({self.dir} holds only what must be kept" + (f"; the run directory {self.run_dir} is on the same "
+                                                            "filesystem)" if shared else ")"))
+        fix += (f", or point checkpoint.dir at a filesystem with room for {held + saves} checkpoints "
+                f"({(held + saves) * need} bytes)" + (" and leave the run directory's filesystem the room its end "
+                                                      "needs" if shared else ""))
+        return what, fix
 
     def _agree(self, failures: list, tmp: str) -> None:
         """Every rank holds the same list of failures (one collective gave it to all): if any rank
@@ -169,19 +194,25 @@ class Checkpointer:
                 if shapes.get(name) != pc["shape"]:
                     raise CheckpointError(f"rank {r['rank']} saved {pc['key']} with shape {pc['shape']}, "
                                           f"the model has {shapes.get(name)}")
-                pieces.setdefault(pc["key"], []).append(
-                    {"file": r["file"], "tensor": pc["tensor"], "start": pc["start"], "end": pc["end"], "dtype": pc["dtype"]})
+                pieces.setdefault(pc["key"], []).append({"file": r["file"], "tensor": pc["tensor"],
+                                                         "start": pc["start"], "end": pc["end"], "dtype": pc["dtype"]})
         scalars = next((r["scalars"] for r in reports if r["scalars"]), {})
+        count = scalars.get("step", {}).get("value")
         return {
-            "format": FORMAT, "format_version": FORMAT_VERSION, "checkpoint_format": strategy.checkpoint_format,
+            "format": FORMAT, "format_version": BUFFERS_FORMAT_VERSION if self.layout["buffers"] else FORMAT_VERSION,
+            "checkpoint_format": strategy.checkpoint_format,
             "step": step, "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "world_size": self.ctx.world_size, "strategy": cfg.strategy.name, "precision": cfg.precision.name,
             "optimizer": cfg.optim.name, "config": to_dict(cfg),
-            "versions": {"zerolab": zerolab.__version__, "torch": torch.__version__, "safetensors": safetensors.__version__},
+            "versions": {"zerolab": zerolab.__version__, "torch": torch.__version__,
+                         "safetensors": safetensors.__version__},
             "lr_schedule": {**asdict(schedule), "next_lr": schedule(step)},
             "loss_scaler": strategy.precision.scaler.state_dict(),
             "sampler": {"next_step": step, "seed": sampler.seed, "global_batch": sampler.global_batch},
             "optimizer_scalars": scalars,
+            # the steps whose update was skipped (a non-finite gradient norm, an fp16 overflow): with the
+            # optimizer's count of updates they add up to the step (format.validate_meta checks it)
+            **({"skipped_updates": step - int(count)} if count is not None else {}),
             **self.layout, "pieces": pieces,
             "files": {r["file"]: {"rank": r["rank"], "bytes": r["bytes"], "sha256": r["sha256"]} for r in reports},
         }
@@ -233,6 +264,7 @@ class Checkpointer:
             if scaler.enabled and meta["precision"] == "fp16":
                 scaler.load_state_dict(meta["loss_scaler"])
         strategy.restore_step(step)
+        self._restore_buffers(reader, meta)
         if reader.weights_only and ctx.is_main:
             log.warning("checkpoint: %s holds weights only (imported from %s): the optimizer state starts fresh",
                         path, meta.get("imported_from", {}).get("strategy", "?"))
@@ -242,6 +274,29 @@ class Checkpointer:
                      meta["strategy"], meta["world_size"], cfg.strategy.name, ctx.world_size)
         ctx.barrier()
         return step
+
+    @torch.no_grad()
+    def _restore_buffers(self, reader: PieceReader, meta: dict) -> None:
+        """Each rank its own saved buffers at the same world size, rank 0's at another (reshard.py)."""
+        names, ctx = self.layout["buffers"], self.ctx
+        if not names:
+            return
+        if self.model is None:
+            raise CheckpointError(f"model buffers {names[:5]} cannot be restored: this Checkpointer was given no "
+                                  "module (Checkpointer(..., model=the module))")
+        src = buffer_source(meta, ctx.rank, ctx.world_size)
+        saved = reader.buffers(src, names)
+        if saved is None:  # a weights-only import of a checkpoint
+            if ctx.is_main:
+                log.warning("checkpoint: no model buffers saved (imported weights): %s start from their initial "
+                            "values", ", ".join(names[:5]))
+            return
+        for name, t in module_buffers(self.model, names).items():
+            t.copy_(saved[name])
+        if src != ctx.rank and ctx.is_main:
+            log.warning("checkpoint: model buffers (%s) are rank 0's for every rank: saved with %d ranks, resumed "
+                        "with %d, where a rank number no longer names the same data", ", ".join(names[:3]),
+                        meta["world_size"], ctx.world_size)
 
     def _restore_rng(self, reader: PieceReader, meta: dict, step: int) -> None:
         ctx = self.ctx

@@ -27,7 +27,12 @@ FORMAT = "zerolab-checkpoint"
 # 3: meta.json says which checkpoint format it holds ("checkpoint_format": pieces | native) and
 #    keeps a native format's own record under "native". 1 and 2 are read as their writer's format,
 #    a native record under the writer's name (see upgrade_meta).
+# 4: the model's persistent buffers are in the rank files ("buffer/<name>", each rank its own) and
+#    their shapes in meta.json ("buffer_shapes"). Only a checkpoint that holds buffers is written
+#    as 4, so that a zerolab that would ignore them refuses it; every other one stays 3.
 FORMAT_VERSION = 3
+BUFFERS_FORMAT_VERSION = 4
+NEWEST_READ = BUFFERS_FORMAT_VERSION
 FORMATS = ("pieces", "native")
 META, LATEST = "meta.json", "latest"
 STEP_RE = re.compile(r"^step_(\d{8,})$")
@@ -126,6 +131,11 @@ def upgrade_meta(meta: dict) -> None:
         meta["native"] = meta.pop(meta["strategy"], None)
 
 
+def version_of(meta: dict) -> int:
+    v = meta.get("format_version")
+    return v if isinstance(v, int) and not isinstance(v, bool) else 0
+
+
 def read_meta(path: str) -> dict:
     mpath = os.path.join(path, META)
     if not os.path.exists(mpath):
@@ -138,9 +148,9 @@ def read_meta(path: str) -> dict:
     if meta.get("format") != FORMAT:
         raise CheckpointError(f"{mpath}: format {meta.get('format')!r} is not {FORMAT!r}")
     version = meta.get("format_version")
-    if not isinstance(version, int) or version > FORMAT_VERSION:
+    if not isinstance(version, int) or version > NEWEST_READ:
         raise CheckpointError(f"{mpath}: format version {version} is newer than this zerolab reads "
-                              f"({FORMAT_VERSION}); load it with the zerolab version that wrote it "
+                              f"({NEWEST_READ}); load it with the zerolab version that wrote it "
                               f"({meta.get('versions', {}).get('zerolab', '?')}) or newer")
     # Version 1 had no digest; from 2 on one is required, and any one present must match.
     if version >= 2 or "meta_sha256" in meta:
@@ -171,27 +181,26 @@ def validate_meta(meta: dict, mpath: str, dirname: str) -> None:
     for field in ("config", "lr_schedule", "loss_scaler", "sampler", "optimizer_scalars", "aliases", "pieces", "files"):
         want(field, lambda v: isinstance(v, dict), "an object")
     want("state_dict_keys", lambda v: isinstance(v, list) and all(isinstance(k, str) for k in v), "a list of names")
-    want("buffers", lambda v: isinstance(v, list), "a list")
+    want("buffers", lambda v: isinstance(v, list) and all(isinstance(k, str) for k in v), "a list of names")
+    if meta.get("buffers") and version_of(meta) >= BUFFERS_FORMAT_VERSION:
+        want("buffer_shapes", lambda v: isinstance(v, dict) and set(v) == set(meta["buffers"]) and all(
+            isinstance(s, list) and all(is_int(d) for d in s) for s in v.values()), "buffer names -> shapes")
     want("params", lambda v: isinstance(v, dict) and all(
         isinstance(s, list) and all(is_int(d) for d in s) for s in v.values()), "names -> shapes")
     m = STEP_RE.match(dirname)
     if m and int(m.group(1)) != meta["step"]:
         bad("step", f"is {meta['step']}, but the directory is {dirname}")
     sampler = meta["sampler"]
-    if not (is_int(sampler.get("next_step")) and is_int(sampler.get("seed")) and is_int(sampler.get("global_batch"), 1)):
+    if not (is_int(sampler.get("next_step")) and is_int(sampler.get("seed"))
+            and is_int(sampler.get("global_batch"), 1)):
         bad("sampler", f"is {sampler!r}, expected next_step, seed >= 0 and global_batch >= 1")
-    # The step, the data position and the optimizer's count of updates must tell one story: a
-    # meta.json rewritten to another step (and its digest recomputed) is refused here or by
-    # verify(), which reads the step each rank file was written at.
+    # The step, the data position, the optimizer's count of updates and the LR schedule's position
+    # must tell one story: a meta.json rewritten to another step (and its digest recomputed) is
+    # refused here or by verify(), which reads the step each rank file was written at.
     if sampler["next_step"] != meta["step"]:
         bad("sampler", f"says the data continues at step {sampler['next_step']}, but the checkpoint is of step "
                        f"{meta['step']}")
-    count = meta["optimizer_scalars"].get("step", {}).get("value") if isinstance(
-        meta["optimizer_scalars"].get("step"), dict) else None
-    if isinstance(count, (int, float)) and count > meta["step"]:  # skipped updates make it smaller, never larger
-        bad("optimizer_scalars", f"count {count:g} optimizer updates, more than the checkpoint's {meta['step']} steps")
-    if not isinstance(meta["lr_schedule"].get("next_lr", 0.0), (int, float)):
-        bad("lr_schedule", "has a non-numeric next_lr")
+    _validate_counters(meta, bad, is_int)
     _validate_entries(meta, bad, is_int)
     upgrade_meta(meta)
     if meta["format_version"] >= 3:
@@ -205,6 +214,56 @@ def validate_meta(meta: dict, mpath: str, dirname: str) -> None:
             bad("native", f"is {meta.get('native')!r}, expected {problem}")
 
 
+# The LR a schedule gives at a step is computed by the same formula at save and here; a libm that
+# rounds cos differently on another machine may move its last bits (1 ulp ~ 2e-16 relative), and
+# two steps apart it moves by far more than this, except where the schedule is flat (the
+# optimizer's count catches those).
+LR_REL_TOL = 1e-12
+
+
+def _validate_counters(meta: dict, bad, is_int) -> None:
+    """Every counter meta.json holds against the step it claims: the optimizer's count of updates
+    plus the updates skipped (a non-finite gradient norm, an fp16 overflow) is the step; the fp16
+    loss scaler counts no more skips than that, and no more clean steps than there were steps;
+    the LR schedule gives its recorded next lr at this step."""
+    step, scalars = meta["step"], meta["optimizer_scalars"]
+    count = scalars["step"].get("value") if isinstance(scalars.get("step"), dict) else None
+    skipped = meta.get("skipped_updates")
+    if skipped is not None and not (is_int(skipped) and skipped <= step):
+        bad("skipped_updates", f"is {skipped!r}, expected an integer from 0 to the step ({step})")
+    if isinstance(count, (int, float)) and not isinstance(count, bool):
+        if count > step:  # skipped updates make it smaller, never larger
+            bad("optimizer_scalars", f"count {count:g} optimizer updates, more than the checkpoint's {step} steps")
+        # an imported checkpoint (weights only) starts a fresh optimizer: its count says nothing of the step
+        if skipped is not None and meta.get("optimizer_state") is not False and count + skipped != step:
+            bad("optimizer_scalars", f"count {count:g} optimizer updates, and {skipped} were skipped: "
+                                     f"{count + skipped:g} steps, but the checkpoint claims step {step}")
+    scaler = meta["loss_scaler"]
+    for key, most in (("skipped_steps", skipped if skipped is not None else step), ("clean_steps", step)):
+        if key in scaler and not (is_int(scaler[key]) and scaler[key] <= most):
+            bad("loss_scaler", f"has {key}={scaler[key]!r}, more than the {most} the checkpoint's step allows")
+    _validate_lr(meta, bad)
+
+
+def _validate_lr(meta: dict, bad) -> None:
+    from dataclasses import fields
+
+    from zerolab.optim.schedule import LRSchedule
+
+    sched = meta["lr_schedule"]
+    if "next_lr" not in sched:
+        return
+    if not isinstance(sched["next_lr"], (int, float)) or isinstance(sched["next_lr"], bool):
+        bad("lr_schedule", "has a non-numeric next_lr")
+    try:
+        expected = LRSchedule(**{f.name: sched[f.name] for f in fields(LRSchedule) if f.name in sched})(meta["step"])
+    except (TypeError, ValueError, ArithmeticError):
+        bad("lr_schedule", f"is {sched!r}, which is not a schedule zerolab computes")
+    if not math.isclose(sched["next_lr"], expected, rel_tol=LR_REL_TOL, abs_tol=0.0):
+        bad("lr_schedule", f"gives lr {expected!r} at step {meta['step']}, but records next_lr {sched['next_lr']!r}: "
+                           "the schedule is at another step")
+
+
 def _validate_entries(meta: dict, bad, is_int) -> None:
     """The file and piece records of meta.json: names inside the checkpoint, well-formed entries."""
     for fname, info in meta["files"].items():
@@ -212,7 +271,8 @@ def _validate_entries(meta: dict, bad, is_int) -> None:
         if os.path.isabs(fname) or ".." in fname.split("/") or not fname:
             bad("files", f"names {fname!r}, outside the checkpoint directory")
         if not (isinstance(info, dict) and is_int(info.get("bytes")) and isinstance(info.get("sha256"), str)
-                and re.fullmatch(r"[0-9a-f]{64}", info["sha256"]) and (info.get("rank") is None or is_int(info["rank"]))):
+                and re.fullmatch(r"[0-9a-f]{64}", info["sha256"])
+                and (info.get("rank") is None or is_int(info["rank"]))):
             bad("files", f"has a malformed entry for {fname!r}: {info!r}")
     for key, pieces in meta["pieces"].items():
         for pc in pieces if isinstance(pieces, list) else [None]:

@@ -17,10 +17,12 @@ from zerolab.checkpoint.format import CheckpointError
 
 # ---- what a model and an optimizer look like ------------------------------------------------------
 def model_layout(model: torch.nn.Module) -> dict:
-    """Parameter names and shapes, tied aliases (a second name of one parameter) and state-dict order."""
+    """Parameter names and shapes, tied aliases (a second name of one parameter), state-dict order,
+    and the persistent buffers (BatchNorm's running statistics, a register_buffer'd scale: model
+    state that is not a parameter) with their shapes."""
     params = {n: list(p.shape) for n, p in model.named_parameters() if p.requires_grad}
     by_id = {id(p): n for n, p in model.named_parameters()}
-    aliases, buffers = {}, []
+    aliases, buffers = {}, {}
     keys = list(model.state_dict(keep_vars=True).keys())
     for key, t in model.state_dict(keep_vars=True).items():
         if key in params:
@@ -28,8 +30,36 @@ def model_layout(model: torch.nn.Module) -> dict:
         if id(t) in by_id:
             aliases[key] = by_id[id(t)]
         else:
-            buffers.append(key)
-    return {"params": params, "aliases": aliases, "state_dict_keys": keys, "buffers": buffers}
+            buffers[key] = list(t.shape)
+    return {"params": params, "aliases": aliases, "state_dict_keys": keys, "buffers": list(buffers),
+            "buffer_shapes": buffers}
+
+
+# ---- model buffers: each rank's own ------------------------------------------------------------------
+# A buffer is updated by each rank's forward on its own micro-batches (BatchNorm's running mean and
+# variance, its count of batches; a custom running scale): ranks may hold different values, and
+# under DDP (which broadcasts rank 0's buffers at every forward) they differ between steps too.
+# Every rank writes its own into its rank file; a resume at the same world size gives each rank its
+# own back (bitwise the run that never stopped). At another world size the rank numbers no longer
+# name the same data shards, so every rank loads rank 0's, the ones the run's final weights and an
+# export carry.
+BUFFER_PREFIX = "buffer/"
+
+
+def module_buffers(model: torch.nn.Module, names: list[str]) -> dict[str, torch.Tensor]:
+    """The live tensors of the persistent buffers `names` (model_layout's) of the module a strategy
+    trains; a module that lost one (a strategy that replaced it) is a CheckpointError."""
+    found = dict(model.named_buffers(remove_duplicate=False))
+    missing = [n for n in names if n not in found]
+    if missing:
+        raise CheckpointError(f"model buffers {missing[:5]} are not on the trained module any more: they cannot be "
+                              "saved; checkpoints of this model need a strategy that keeps the module's buffers")
+    return {n: found[n] for n in names}
+
+
+def buffer_source(meta: dict, rank: int, world_size: int) -> int:
+    """The saving rank whose buffers rank `rank` of a run of `world_size` ranks loads."""
+    return rank if meta["world_size"] == world_size else 0
 
 
 def optimizer_scalars(optimizer: torch.optim.Optimizer) -> dict:
@@ -108,11 +138,25 @@ class PieceReader:
             lo, hi = max(start, pc["start"]), min(end, pc["end"])
             if lo >= hi:
                 continue
-            out[lo - start:hi - start] = self.file(pc["file"]).get_slice(pc["tensor"])[lo - pc["start"]:hi - pc["start"]]
+            piece = self.file(pc["file"]).get_slice(pc["tensor"])
+            out[lo - start:hi - start] = piece[lo - pc["start"]:hi - pc["start"]]
             covered += hi - lo
         if covered != end - start:
             raise CheckpointError(f"{self.path}: elements [{start}, {end}) of {key!r} are not all in the checkpoint")
         return out
+
+    def buffers(self, rank: int, names: list[str]) -> dict[str, torch.Tensor] | None:
+        """Rank `rank`'s saved buffers `names`; None when its file holds none (an imported,
+        weights-only checkpoint); CheckpointError when it holds some but not all."""
+        f = self.file(f"rank{rank}.safetensors")
+        held = {k[len(BUFFER_PREFIX):] for k in f.keys() if k.startswith(BUFFER_PREFIX)}
+        if not held and self.weights_only:
+            return None
+        missing = [n for n in names if n not in held]
+        if missing:
+            raise CheckpointError(f"{os.path.join(self.path, f'rank{rank}.safetensors')} holds no model buffer "
+                                  f"{', '.join(missing[:5])}: the checkpoint is incomplete")
+        return {n: f.get_tensor(BUFFER_PREFIX + n) for n in names}
 
     def rng(self, rank: int) -> dict[str, torch.Tensor]:
         f = self.file(f"rank{rank}.safetensors")

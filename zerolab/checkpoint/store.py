@@ -35,7 +35,8 @@ def verify(path: str, checksums: bool = True) -> dict:
             raise CheckpointError(f"{full} is missing ({whose})")
         size = os.path.getsize(full)
         if size != info["bytes"]:
-            raise CheckpointError(f"{full} has {size} bytes, the checkpoint recorded {info['bytes']}: truncated or corrupt")
+            raise CheckpointError(f"{full} has {size} bytes, the checkpoint recorded {info['bytes']}: truncated or "
+                                  "corrupt")
         if checksums and sha256_file(full) != info["sha256"]:
             raise CheckpointError(f"{full}: sha256 does not match the one recorded in {META}: corrupt")
         if fname.endswith(".safetensors"):
@@ -142,16 +143,28 @@ def check_compatible(meta: dict, path: str, cfg, strategy, layout: dict) -> None
     if meta["optimizer"] != cfg.optim.name:
         raise CheckpointError(f"{where}: optimizer state is for optim={meta['optimizer']}, this run uses "
                               f"optim={cfg.optim.name}; resume with optim={meta['optimizer']}")
-    saved, mine = meta["params"], layout["params"]
-    problems = [f"{n}: missing from the checkpoint" for n in mine if n not in saved]
-    problems += [f"{n}: in the checkpoint but not in this model" for n in saved if n not in mine]
-    problems += [f"{n}: shape {saved[n]} in the checkpoint, {mine[n]} in this model"
-                 for n in mine if n in saved and saved[n] != mine[n]]
+    problems = _differences(meta["params"], layout["params"], "")
+    # persistent buffers (a checkpoint written before they were saved has only their names)
+    saved_buffers = meta.get("buffer_shapes") or {n: None for n in meta["buffers"]}
+    mine_buffers = layout.get("buffer_shapes") or {n: None for n in layout["buffers"]}
+    problems += _differences(saved_buffers, mine_buffers, "buffer ")
     if problems:
-        raise CheckpointError(f"{where}: the checkpoint is for another model (model={meta['config']['model']['name']}): "
-                              + "; ".join(problems[:6]) + (f"; ... {len(problems) - 6} more" if len(problems) > 6 else ""))
+        model = meta["config"]["model"]["name"]
+        more = f"; ... {len(problems) - 6} more" if len(problems) > 6 else ""
+        raise CheckpointError(f"{where}: the checkpoint is for another model (model={model}): "
+                              + "; ".join(problems[:6]) + more)
     if fmt == "pieces":
         check_pieces_cover(meta, where, layout)
+
+
+def _differences(saved: dict, mine: dict, what: str) -> list[str]:
+    """Names -> shapes of a checkpoint against this model's: what is missing, extra or reshaped
+    (a shape of None is not compared)."""
+    problems = [f"{what}{n}: missing from the checkpoint" for n in mine if n not in saved]
+    problems += [f"{what}{n}: in the checkpoint but not in this model" for n in saved if n not in mine]
+    problems += [f"{what}{n}: shape {saved[n]} in the checkpoint, {mine[n]} in this model" for n in mine
+                 if n in saved and None not in (saved[n], mine[n]) and saved[n] != mine[n]]
+    return problems
 
 
 def record_files(directory: str, files: dict) -> None:

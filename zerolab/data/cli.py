@@ -42,6 +42,9 @@ def cli_main(argv: list[str]) -> int:
     except (ConfigError, FileNotFoundError, ValueError) as err:
         print(f"zerolab data prepare: {err}", file=sys.stderr)
         return 2
+    for path, size, pid in done.removed:
+        print(f"removed {path} ({size / 1e6:.1f} MB), the temporary file of an earlier prepare (pid {pid}) that was "
+              "killed before it finished")
     mb = done.bytes / 1e6
     if args.train_tokenizer:
         print(f"trained a byte-level BPE of {done.vocab_size} tokens: {done.tokenizer}")

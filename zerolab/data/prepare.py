@@ -35,6 +35,7 @@ from typing import Iterable, Iterator, Optional
 import numpy as np
 
 from zerolab.atomic import atomic_path, sha256_file
+from zerolab.data.stale import hold, remove_stale
 from zerolab.data.tokens import DTYPES, TOKEN_DTYPE, dtype_for_vocab, sidecar_path, write_sidecar
 
 EMBEDDED_NAME = "stdlib-py{}.{}-bytes.bin"
@@ -156,6 +157,8 @@ class Prepared:
     max_pending_bytes: int  # the most source bytes read but not yet written: flat in corpus size
     tokenizer: Optional[str] = None
     meta: dict = field(default_factory=dict)
+    # (path, bytes, pid) of each temporary file a killed prepare had left, removed (zerolab.data.stale)
+    removed: list = field(default_factory=list)
 
 
 def load_tokenizer(path: str):
@@ -334,6 +337,7 @@ def prepare_tokens(sources: Iterable[str], out: str, tokenizer: Optional[str] = 
         raise ValueError("give --tokenizer or --train-tokenizer, not both")
     start = time.perf_counter()
     os.makedirs(os.path.dirname(os.path.abspath(out)) or ".", exist_ok=True)
+    removed = remove_stale([out, sidecar_path(out), tokenizer_beside(out)])
     if train_vocab:
         tokenizer = train_tokenizer(files, train_vocab, tokenizer_beside(out), max_bytes, chunk_bytes, progress)
     tok, vocab, eot_id, name, about = _tokenizer_for(tokenizer, eot)
@@ -344,6 +348,7 @@ def prepare_tokens(sources: Iterable[str], out: str, tokenizer: Optional[str] = 
     bar = tqdm(total=total, unit="B", unit_scale=True, desc=f"tokenizing {os.path.basename(out)}",
                disable=None if progress is None else not progress, file=sys.stderr)
     with atomic_path(out) as tmp, open(tmp, "wb") as fh, _own_threads_only():
+        hold(fh)  # while it is written: a later prepare leaves a live writer's file alone
         sink = _TokenSink(fh, bar)
         _encode_all(reader, encode, workers, chunk_bytes, sink)
         # Last, just before the new tokens replace the old: an old sidecar must not describe the new
@@ -360,7 +365,7 @@ def prepare_tokens(sources: Iterable[str], out: str, tokenizer: Optional[str] = 
         meta["sources_not_listed"] = len(sources) - MAX_LISTED
     write_sidecar(out, meta)
     return Prepared(out, sink.tokens, name, vocab, sink.top, reader.files_read, reader.bytes_read,
-                    time.perf_counter() - start, sink.max_pending, tokenizer, meta)
+                    time.perf_counter() - start, sink.max_pending, tokenizer, meta, removed)
 
 
 def prepare(sources: Iterable[str], out: str, max_bytes: Optional[int] = None, **kwargs) -> int:

@@ -29,7 +29,8 @@ def format_table(pred: Prediction, reference: Prediction | None = None) -> str:
     rows = [f"{'category':<13} {'bytes/param':>11} {'bytes':>19} {'GB':>10} {'GiB':>10} {'share':>7}"]
 
     def row(label, v):
-        rows.append(f"{label:<13} {v / n:>11.3f} {v:>19,} {_num(v / GB):>10} {_num(v / GIB):>10} {100 * v / total:>6.1f}%")
+        rows.append(f"{label:<13} {v / n:>11.3f} {v:>19,} {_num(v / GB):>10} {_num(v / GIB):>10} "
+                    f"{100 * v / total:>6.1f}%")
 
     for cat in MODEL_STATES:
         row(cat, b[cat])

@@ -152,5 +152,6 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     return [g for g in (decay, skip) if g["params"]]
 
 
-__all__: Iterable[str] = ["build_model", "place", "block_of_parameters", "lm_loss", "count_params", "param_groups", "MODELS",
+__all__: Iterable[str] = ["build_model", "place", "block_of_parameters", "lm_loss", "count_params", "param_groups",
+                          "MODELS",
                           "SOURCES", "Blocks", "find_blocks", "preflight", "resolve"]

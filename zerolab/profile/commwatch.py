@@ -10,7 +10,8 @@ import torch
 from zerolab.profile.intervals import NULL, WAIT
 
 # Every ProcessGroup method that starts a collective (torch.distributed's functions all end in one).
-COLLECTIVES = ("allreduce", "allreduce_coalesced", "allgather", "allgather_coalesced", "allgather_into_tensor_coalesced",
+COLLECTIVES = ("allreduce", "allreduce_coalesced", "allgather", "allgather_coalesced",
+               "allgather_into_tensor_coalesced",
                "_allgather_base", "all_gather_single", "all_gather_single_coalesced", "reduce_scatter",
                "reduce_scatter_single", "reduce_scatter_single_coalesced", "reduce_scatter_tensor_coalesced",
                "_reduce_scatter_base", "broadcast", "reduce", "alltoall", "alltoall_base", "all_to_all_single",

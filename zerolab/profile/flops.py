@@ -79,7 +79,8 @@ def measure_matmul(device: torch.device, dtype: torch.dtype, budget_s: float = 0
         sync()
         best, reps = min(best, time.perf_counter() - t0), reps + 1
     dt = str(dtype).replace("torch.", "")
-    return 2 * n ** 3 / best, f"measured: {n}x{n} {dt} matmul on {device.type}, best of {reps}, {torch.get_num_threads()} thread(s)"
+    return 2 * n ** 3 / best, (f"measured: {n}x{n} {dt} matmul on {device.type}, best of {reps}, "
+                               f"{torch.get_num_threads()} thread(s)")
 
 
 def peak_flops(configured: float, ctx, dtype: torch.dtype) -> dict:

@@ -1,14 +1,19 @@
 """Failing on purpose, and naming the rank that failed.
 
-Fault injection (`fault.kill_rank=R fault.at_step=S fault.mode=exit|raise|hang`) makes rank R
-fail just before it starts step S (0-based: after S completed steps). `fault.mode=stop` instead
-freezes rank R *inside* step S with SIGSTOP, in `fault.phase` (forward, backward: from a hook
+Steps are counted as metrics.jsonl counts them: step N is the N-th optimizer step, the one whose
+record says "step": N (profile.steps counts the same way). The trainer's loop index is 0-based;
+every method here that takes `step` takes that index and compares `step + 1` with the setting.
+
+Fault injection (`fault.kill_rank=R fault.at_step=N fault.mode=exit|raise|hang`) makes rank R
+fail just before it starts step N (after N-1 completed steps). `fault.mode=stop` instead
+freezes rank R *inside* step N with SIGSTOP, in `fault.phase` (forward, backward: from a hook
 while autograd runs, or optimizer), as a deadlocked kernel or a frozen node would. Faults fire
 only in the first attempt of a torchrun job (TORCHELASTIC_RESTART_COUNT=0), so a group that
 torchrun restarts resumes and finishes instead of failing again.
-`fault.slow_rank=R fault.slow_ms=M fault.at_step=S` makes rank R a straggler instead: it spends M
-ms of host time inside step S, before its first forward (in every attempt; profile.steps shows the
-others waiting for it, zerolab/profile/).
+`fault.slow_rank=R fault.slow_ms=M fault.at_step=N` makes rank R a straggler instead: it spends M
+ms of host time inside step N, before its first forward (in every attempt; profile.steps=[N]
+shows the others waiting for it, zerolab/profile/). `fault.inf_grad_step=N` puts an inf into
+rank fault.inf_grad_rank's gradients in step N (its record says "skipped": true under fp16).
 
 When a rank stops, the others wait in their next collective until dist.timeout_s and then get an
 error from gloo/NCCL that says "timed out" or "connection closed" but not *who* stopped. Every
@@ -16,6 +21,9 @@ rank therefore posts where it is (step and phase, a few small writes per step) t
 key-value store, and a heartbeat thread bumps a counter every `interval` seconds while the
 process lives. A rank whose collective fails reads the board: a rank whose heartbeat no longer
 moves (frozen or dead) or that is steps behind is named, with the step and phase it was in.
+A frozen rank on this host is killed so that the launcher need not wait for it, but only when
+the process is provably the one that posted: same host, same boot, same pid and the same
+process start time (a pid is reused once its process is gone; a host name can be shared).
 """
 from __future__ import annotations
 
@@ -54,9 +62,9 @@ def restart_count() -> int:
 
 class FaultInjector:
     def __init__(self, cfg: FaultConfig, rank: int, world_size: int):
-        """`cfg` was validated (zerolab.config: modes, phases, kill_rank < world_size)."""
+        """`cfg` was validated (zerolab.config: modes, phases, kill_rank < world_size, steps >= 1)."""
         self.cfg, self.rank = cfg, rank
-        self.armed = cfg.kill_rank == rank and cfg.at_step >= 0 and restart_count() == 0
+        self.armed = cfg.kill_rank == rank and cfg.at_step >= 1 and restart_count() == 0
         self.slowed = -1  # the step a slow rank was last slowed in (fault.slow_rank: once per step)
 
     def _stop_now(self, step: int, phase: str) -> None:
@@ -66,23 +74,25 @@ class FaultInjector:
 
     def in_phase(self, step: int, phase: str, loss: "torch.Tensor | None" = None) -> None:
         """fault.mode=stop: freeze in this phase of the chosen step. For backward, `loss` gets a
-        hook, so the process stops while autograd is running, not before it starts."""
-        if phase == "forward" and self.rank == self.cfg.slow_rank and step == self.cfg.at_step != self.slowed:
-            self.slowed = step  # the first micro-batch's forward only
+        hook, so the process stops while autograd is running, not before it starts. `step`: the
+        loop's 0-based index (step + 1 is the step's number)."""
+        n = step + 1
+        if phase == "forward" and self.rank == self.cfg.slow_rank and n == self.cfg.at_step != self.slowed:
+            self.slowed = n  # the first micro-batch's forward only
             time.sleep(self.cfg.slow_ms / 1000)  # host time inside the step: a straggler (fault.slow_rank)
-        if not self.armed or self.cfg.mode != "stop" or step != self.cfg.at_step or phase != self.cfg.phase:
+        if not self.armed or self.cfg.mode != "stop" or n != self.cfg.at_step or phase != self.cfg.phase:
             return
         self.armed = False  # once (a hook on every micro-batch's loss would fire again)
         if phase == "backward" and loss is not None and loss.requires_grad:
-            loss.register_hook(lambda grad: self._stop_now(step, phase))
+            loss.register_hook(lambda grad: self._stop_now(n, phase))
         else:
-            self._stop_now(step, phase)
+            self._stop_now(n, phase)
 
     def poison(self, loss: "torch.Tensor", step: int) -> "torch.Tensor":
         """fault.inf_grad_step: this rank's last backward of that step carries inf (call it with the
-        last micro-batch's loss), so its gradients are non-finite before the reduction and every
-        rank sees the overflow. Every other step: the loss as it is."""
-        if step == self.cfg.inf_grad_step and self.rank == self.cfg.inf_grad_rank:
+        last micro-batch's loss and the loop's 0-based index), so its gradients are non-finite
+        before the reduction and every rank sees the overflow. Every other step: the loss as it is."""
+        if step + 1 == self.cfg.inf_grad_step and self.rank == self.cfg.inf_grad_rank:
             return loss * float("inf")
         return loss
 
@@ -95,9 +105,12 @@ class FaultInjector:
             os._exit(1)
 
     def before_step(self, step: int) -> None:
-        if not self.armed or step != self.cfg.at_step or self.cfg.mode == "stop" or self.cfg.phase == RECORD_CUT:
+        """fault.mode=exit|raise|hang: fail before step fault.at_step starts (`step`: the loop's
+        0-based index of the step about to start)."""
+        n = step + 1
+        if not self.armed or n != self.cfg.at_step or self.cfg.mode == "stop" or self.cfg.phase == RECORD_CUT:
             return
-        msg = f"zerolab fault injection: rank {self.rank} fails before step {step} (fault.mode={self.cfg.mode})"
+        msg = f"zerolab fault injection: rank {self.rank} fails before step {n} (fault.mode={self.cfg.mode})"
         print(msg, file=sys.stderr, flush=True)
         if self.cfg.mode == "exit":
             os._exit(1)  # no cleanup, no exception: as abrupt as a killed process
@@ -117,23 +130,72 @@ def stop_now(err: BaseException) -> None:
     os._exit(1)
 
 
-def process_state(pid: int) -> "str | None":
-    """The one-letter state of a process on this host (R, S, D, T, Z, ...), None if it is gone."""
+def _stat_fields(pid: int) -> "list[str] | None":
+    """/proc/<pid>/stat from field 3 (state) on, None if the process is gone. The command name
+    (field 2) is in parentheses and may hold spaces: the fields start after the last ')'."""
     try:
         with open(f"/proc/{pid}/stat") as fh:
-            state = fh.read().rsplit(")", 1)[1].split()[0]
+            return fh.read().rsplit(")", 1)[1].split()
     except (OSError, IndexError):
         return None
-    return None if state in "ZX" else state
+
+
+def process_state(pid: int) -> "str | None":
+    """The one-letter state of a process on this host (R, S, D, T, Z, ...), None if it is gone."""
+    fields = _stat_fields(pid)
+    if not fields or fields[0] in "ZX":
+        return None
+    return fields[0]
+
+
+def process_start(pid: int) -> "int | None":
+    """When the process started, in clock ticks since boot (/proc/<pid>/stat field 22): with the
+    boot id, what tells this process from a later one that got the same pid."""
+    fields = _stat_fields(pid)
+    try:
+        return int(fields[19]) if fields else None  # field 22 is the 20th after the state (field 3)
+    except (IndexError, ValueError):
+        return None
+
+
+def boot_id() -> str:
+    """This boot of this machine (a random id the kernel makes at boot); "?" without /proc."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as fh:
+            return fh.read().strip() or "?"
+    except OSError:
+        return "?"
+
+
+def identity(pid: int) -> str:
+    """"<start ticks> <boot id>" of a process on this machine ("? ?" where /proc cannot tell)."""
+    start = process_start(pid)
+    return f"{start if start is not None else '?'} {boot_id()}"
+
+
+def local_verdict(posted: dict, host: str) -> "str | None":
+    """What this host can tell of the rank that posted `posted` (its host, pid, start, boot):
+    "exited" (its process is gone: the pid is free or now another process's), "frozen" (stopped
+    by a signal or a debugger: state T), or None (running, or not a process this host can see:
+    another machine, perhaps one with the same host name, or no /proc)."""
+    pid, start, boot = posted.get("pid"), posted.get("start"), posted.get("boot")
+    if posted.get("host") != host or not pid or start is None or boot in (None, "?") or boot != boot_id():
+        return None  # not provably this machine's process: never signal it
+    if process_start(pid) != start:
+        return "exited"  # the pid is free, or a later process has it
+    state = process_state(pid)
+    return "exited" if state is None else "frozen" if state in "Tt" else None
 
 
 class ProgressBoard:
     """Where each rank is (step, phase) and whether it is alive (a heartbeat counter), in the
     launcher's store, to name the rank that stopped.
 
-    Keys (prefix zerolab/progress/): `<r>` = "step phase", `hb/<r>` = heartbeat counter,
-    `who/<r>` = "host pid". A frozen process (SIGSTOP, a debugger, a node that stopped scheduling
-    it) freezes its heartbeat thread too; a busy one (a long kernel, a collective) keeps beating.
+    Keys (prefix zerolab/progress/): `<r>` = "step phase" (the loop's 0-based index; messages
+    name it step + 1, as metrics.jsonl does), `hb/<r>` = heartbeat counter, `who/<r>` =
+    "host pid start boot" (zerolab.run.fault.identity). A frozen process (SIGSTOP, a debugger, a
+    node that stopped scheduling it) freezes its heartbeat thread too; a busy one (a long kernel,
+    a collective) keeps beating.
     """
 
     def __init__(self, rank: int, world_size: int, store: "dist.Store | None", timeout_s: float = 300.0):
@@ -146,7 +208,7 @@ class ProgressBoard:
         self._stop = threading.Event()
         self._thread = None
         if self.store is not None:
-            self.store.set(f"who/{rank}", f"{self.host} {os.getpid()}")
+            self.store.set(f"who/{rank}", f"{self.host} {os.getpid()} {identity(os.getpid())}")
             self._thread = threading.Thread(target=self._beat, name="zerolab-heartbeat", daemon=True)
             self._thread.start()
             # A board nobody closed (a Trainer used from a script) must not leave its thread inside
@@ -163,8 +225,8 @@ class ProgressBoard:
                 # rank's main thread has not moved for longer than any peer waits for it: it is
                 # hung, and the stop it was asked for will never come. End it now rather than after
                 # the launcher's grace period.
-                print(f"zerolab: rank {self.rank} got {StopRequest.signal_name} but has been stuck in step "
-                      f"{self.step} ({self.phase}) for {stuck:.0f} s (> dist.timeout_s); exiting",
+                print(f"zerolab: rank {self.rank} got {StopRequest.signal_name} but has been stuck {self._where()} "
+                      f"for {stuck:.0f} s (> dist.timeout_s); exiting",
                       file=sys.stderr, flush=True)
                 os._exit(1)
             try:
@@ -180,8 +242,11 @@ class ProgressBoard:
             self._thread.join()
         self.store = None
 
+    def _where(self) -> str:
+        return "before its first step" if self.step < 0 else f"in step {self.step + 1} ({self.phase})"
+
     def at(self, step: int, phase: str) -> None:
-        """This rank entered `phase` of `step` (one small store write)."""
+        """This rank entered `phase` of `step` (the loop's 0-based index; one small store write)."""
         self.step, self.phase, self.changed = step, phase, time.monotonic()
         if self.store is not None:
             self.store.set(str(self.rank), f"{step} {phase}")
@@ -195,8 +260,11 @@ class ProgressBoard:
             pos = self.store.get(str(r)).decode().split() if self.store.check([str(r)]) else []
             who = self.store.get(f"who/{r}").decode().split() if self.store.check([f"who/{r}"]) else []
             beats = self.store.add(f"hb/{r}", 0)
+            start = who[2] if len(who) > 2 else "?"
             out[r] = {"step": int(pos[0]) if pos else None, "phase": pos[1] if len(pos) > 1 else "setup",
-                      "host": who[0] if who else "?", "pid": int(who[1]) if len(who) > 1 else None, "beats": beats}
+                      "host": who[0] if who else "?", "pid": int(who[1]) if len(who) > 1 else None,
+                      "start": int(start) if start.isdigit() else None, "boot": who[3] if len(who) > 3 else None,
+                      "beats": beats}
         return out
 
     def stalled(self) -> list[tuple[int, dict, str]]:
@@ -229,20 +297,20 @@ class ProgressBoard:
             return
         parts = []
         for r, s, what in found:
-            where = "before its first step" if s["step"] is None else f"in step {s['step']} ({s['phase']})"
-            if s["host"] == self.host and s["pid"] and os.path.isdir("/proc"):
-                state = process_state(s["pid"])
-                if state is None:
-                    what = "exited"
-                elif state in "Tt":
-                    # This job's rank (it posted its own pid; same host), frozen: it cannot act on
-                    # the launcher's SIGTERM, and torchrun would wait its whole grace period (30 s)
-                    # before SIGKILL. The job is over; end it now. (A rank that is alive but stuck
-                    # ends itself on that SIGTERM: ProgressBoard._beat.)
-                    os.kill(s["pid"], signal.SIGKILL)
-                    what = "frozen (stopped by a signal or a debugger); killed"
+            where = "before its first step" if s["step"] is None or s["step"] < 0 else \
+                f"in step {s['step'] + 1} ({s['phase']})"
+            verdict = local_verdict(s, self.host)
+            if verdict == "exited":
+                what = "exited"
+            elif verdict == "frozen":
+                # This job's rank (the very process that posted: host, boot, pid and start time
+                # match), frozen: it cannot act on the launcher's SIGTERM, and torchrun would wait
+                # its whole grace period (30 s) before SIGKILL. The job is over; end it now. (A
+                # rank that is alive but stuck ends itself on that SIGTERM: ProgressBoard._beat.)
+                os.kill(s["pid"], signal.SIGKILL)
+                what = "frozen (stopped by a signal or a debugger); killed"
             parts.append(f"rank {r} {where}: {what} [pid {s['pid']} on {s['host']}]")
         verb = "timed out" if "timed out" in str(err).lower() or "timeout" in str(err).lower() else "failed"
-        raise RankStopped(f"rank {self.rank} was in step {self.step} ({self.phase}) when its collective {verb}; "
+        raise RankStopped(f"rank {self.rank} was {self._where()} when its collective {verb}; "
                           f"stopped: {'; '.join(parts)}. A rank that dies or hangs ends the job within dist.timeout_s. "
                           f"Original error: {str(err).strip()[:300]}") from err

@@ -5,6 +5,7 @@ Only rank 0 writes. Per-rank figures are gathered to rank 0 by the trainer and l
 """
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import math
@@ -14,6 +15,7 @@ import sys
 from typing import Optional
 
 from zerolab.atomic import atomic_write_text
+from zerolab.run.preempt import StopRequest
 from zerolab.schema import LoggingConfig
 
 log = logging.getLogger(__name__)
@@ -74,13 +76,43 @@ def wandb_run_id(run_dir: str) -> str:
     return run_id
 
 
+NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+
+
+def append_record(fd: int, line: bytes) -> None:
+    """Append one whole record to the open file `fd` (O_APPEND) or nothing: one write per record
+    (a short write goes on with the rest), and on a failure what was written of it is cut off
+    again, so a reader never sees a torn last line. Raises the write's OSError."""
+    start = os.lseek(fd, 0, os.SEEK_END)
+    done = 0
+    try:
+        while done < len(line):
+            done += os.write(fd, line[done:])
+    except OSError:
+        os.ftruncate(fd, start)  # frees what the partial record took: it works on a full disk
+        raise
+
+
 class MetricsSink:
+    """Rank 0 appends each record to metrics.jsonl (whole or not at all) and mirrors it to wandb.
+
+    A record that does not fit on the disk is cut back and not retried: the sink says what was not
+    written through StopRequest.write_failed, so every rank stops after this step
+    (zerolab.run.results.DiskFull says it once), and writes nothing more. wandb is a mirror: a
+    failure of wandb (its own files in the run directory, its service) is said once as a warning and
+    the mirror stops there; metrics.jsonl goes on."""
+
     def __init__(self, run_dir: str, cfg: LoggingConfig, is_main: bool, experiment: str,
                  job_type: str, config: dict):
         self.is_main = is_main
         self.path = os.path.join(run_dir, "metrics.jsonl")
-        self.file = open(self.path, "a", buffering=1) if is_main else None
-        self.wandb = self._init_wandb(cfg, run_dir, experiment, job_type, config) if is_main else None
+        self.fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644) if is_main else None
+        self.failed: Optional[str] = None  # why a record did not fit (the sink writes nothing after it)
+        self.last_written: Optional[int] = None  # the step of the last record written
+        self.wandb = None
+        if is_main:
+            self._mirror(lambda: setattr(self, "wandb", self._init_wandb(cfg, run_dir, experiment, job_type,
+                                                                          config)), "starting")
 
     @staticmethod
     def _init_wandb(cfg: LoggingConfig, run_dir: str, experiment: str, job_type: str, config: dict):
@@ -93,22 +125,52 @@ class MetricsSink:
 
         return wandb.init(**kwargs)
 
-    def log(self, record: dict) -> None:
+    def _mirror(self, call, what: str) -> None:
+        """A call to wandb; whatever it raises ends the mirror, said once (the run goes on)."""
+        try:
+            call()
+        except Exception as err:  # noqa: BLE001  (wandb raises its own error types, a full disk among them)
+            upto = f"after step {self.last_written}" if self.last_written else "before the first record"
+            log.warning("wandb failed while %s (%s: %s): its mirror of this run stops here, %s; metrics.jsonl, the "
+                        "run's record, is written on", what, type(err).__name__, str(err)[:300], upto)
+            self.wandb = None
+
+    def log(self, record: dict) -> Optional[str]:
+        """Append `record`; returns None when it was written (or this rank writes nothing), else why
+        not (the disk is full: nothing more is written)."""
         if not self.is_main:
-            return
-        self.file.write(json.dumps({k: _jsonable(v) for k, v in record.items()}) + "\n")
+            return None
+        if self.failed is not None:
+            return self.failed
+        line = (json.dumps({k: _jsonable(v) for k, v in record.items()}) + "\n").encode()
+        try:
+            append_record(self.fd, line)
+        except OSError as err:
+            if err.errno not in NO_SPACE:
+                raise
+            self.failed = err.strerror or str(err)
+            where = f"the record of step {record.get('step')}" if isinstance(record.get("step"), int) else "a record"
+            StopRequest.write_failed(self.path, f"{where} did not fit in {self.path} ({self.failed}); the records "
+                                                f"up to step {self.last_written or 0} are there, whole")
+            return self.failed
+        if isinstance(record.get("step"), int):
+            self.last_written = record["step"]
         if self.wandb is not None:
-            self.wandb.log({k: v for k, v in record.items() if k != "step"}, step=record.get("step"))
+            self._mirror(lambda: self.wandb.log({k: v for k, v in record.items() if k != "step"},
+                                                step=record.get("step")), f"logging step {record.get('step')}")
+        return None
 
     def close(self, summary: Optional[dict] = None) -> None:
         """Idempotent: the first call closes the file and finishes the wandb run."""
-        if self.file:
-            self.file.close()
-            self.file = None
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
         if self.wandb is not None:
+            run = self.wandb
             if summary:
-                self.wandb.summary.update({k: v for k, v in summary.items() if not isinstance(v, (dict, list))})
-            self.wandb.finish()
+                self._mirror(lambda: run.summary.update({k: v for k, v in summary.items()
+                                                         if not isinstance(v, (dict, list))}), "finishing")
+            self._mirror(run.finish, "finishing")
             self.wandb = None
 
 

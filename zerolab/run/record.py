@@ -161,6 +161,32 @@ def cut_back(run_dir: str, step: int, before_replace: Callable[[], None] = lambd
     return dropped
 
 
+def cut_back_agreed(ctx, checkpointer, step: int, before_replace: Callable[[], None] = lambda: None) -> None:
+    """Collective: rank 0 cuts the record of `checkpointer.run_dir` back to `step` (cut_back); a
+    disk too full for the cut's copy of the kept records stops every rank before any trains, with
+    one DiskFull (rank 0 says it) naming the room the run needs. Nothing was changed then: the cut
+    writes its copy first and replaces metrics.jsonl only once the copy is whole."""
+    from zerolab.checkpoint import room
+    from zerolab.run.results import NO_SPACE, DiskFull
+
+    problem = None
+    if ctx.is_main:
+        try:
+            cut_back(checkpointer.run_dir, step, before_replace)
+        except OSError as err:
+            if err.errno not in NO_SPACE:
+                raise
+            rest = room.rest_of_run(checkpointer.cfg, checkpointer.layout, checkpointer.run_dir, checkpointer.dir,
+                                    step, room.checkpoint_estimate(checkpointer.layout))
+            problem = (f"resuming at step {step}: cutting {os.path.join(checkpointer.run_dir, METRICS)} back to that "
+                       f"step needs room for a copy of the records it keeps, and the disk is full ({err.strerror}). "
+                       f"Nothing was changed: the record and the checkpoints are as they were. To go on: "
+                       f"{room.free_advice(rest) or 'free space on that filesystem'}, then resume again")
+    problem = ctx.broadcast_object(problem)
+    if problem is not None:
+        raise DiskFull(problem)
+
+
 def _remove_stale_temps(path: str) -> None:
     """Temporary files of an earlier cut that was killed before its rename (never read)."""
     directory, name = os.path.split(path)

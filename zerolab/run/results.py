@@ -38,15 +38,18 @@ class FinalFiles:
         self.written: list[str] = []
         self.failed: list[tuple[str, str]] = []  # (file name, why)
 
-    def attempt(self, name: str, write: Callable[[], None]) -> bool:
+    def attempt(self, name: str, write: Callable[[], Optional[str]]) -> bool:
         """Run `write` (which writes the file `name` of the run directory); a full disk is
-        recorded and reported later (report()), anything else raises."""
+        recorded and reported later (problem()), anything else raises. A `write` that meets the
+        full disk itself returns why instead (zerolab.run.metrics.MetricsSink.log)."""
         try:
-            write()
+            why = write()
         except OSError as err:
             if err.errno not in NO_SPACE:
                 raise
-            self.failed.append((name, err.strerror or str(err)))
+            why = err.strerror or str(err)
+        if isinstance(why, str):
+            self.failed.append((name, why))
             return False
         if name not in self.written:
             self.written.append(name)
@@ -76,9 +79,9 @@ class FinalFiles:
         why = self.failed[0][1]
         weights = "model.safetensors" in missing
         if weights and last_checkpoint:
+            out = os.path.join(self.run_dir, "model.safetensors")
             where = (f"The final weights are in the checkpoint of step {steps}, {last_checkpoint}: write them out "
-                     f"with `python -m zerolab export {last_checkpoint} --out {os.path.join(self.run_dir, 'model.safetensors')}` "
-                     "once there is room")
+                     f"with `python -m zerolab export {last_checkpoint} --out {out}` once there is room")
         elif weights:
             where = ("The final weights were not saved anywhere (checkpoint.every=0): set checkpoint.every so that the "
                      "last step is checkpointed, or run with room for the weights")
@@ -91,6 +94,57 @@ class FinalFiles:
             f"`python -m zerolab compare` reads what was written.")
 
 
+class DiskFull(ZerolabError):
+    """A write during the run did not fit on the disk: every rank stopped after the same step
+    (zerolab.run.preempt.StopRequest.agreed), and rank 0 says what was written, what was not and
+    what to do."""
+
+    same_on_every_rank = True
+
+
+def disk_full(ctx, cfg, done: int, saved: Optional[str], checkpointer, save: Optional[Callable[[], str]]) -> DiskFull:
+    """Collective, after every rank agreed to stop on a write that did not fit (StopRequest): the
+    failures of every rank, a checkpoint of step `done` when one can be had (this step's own save
+    `saved`, else `save()` when checkpoint.dir is on another filesystem than what filled; a
+    CheckpointError there is said as part of this), and the room the rest of the run needs."""
+    from zerolab.checkpoint import CheckpointError, list_checkpoints
+    from zerolab.checkpoint import room
+    from zerolab.checkpoint.store import bytes_of
+    from zerolab.run.preempt import StopRequest
+
+    failures = [f for f in ctx.gather_objects(StopRequest.write_failure) if f]
+    full = {room.mount_point(path) for path, _ in failures}
+    attempt = ctx.broadcast_object(saved is None and save is not None and room.mount_point(checkpointer.dir) not in full
+                                   if ctx.is_main else None)  # rank 0 decides: a save is collective
+    path, save_error = saved, None
+    if attempt:
+        try:
+            path = save()
+        except CheckpointError as err:
+            save_error = str(err)
+    said = "; ".join(what for _, what in failures)
+    kept = list_checkpoints(checkpointer.dir)
+    newest = path or (kept[0] if kept else None)
+    if path:
+        ckpt = f"a checkpoint of step {done}, {path}"
+    elif save_error:
+        ckpt = f"no checkpoint of step {done}: saving one failed too ({save_error})"
+    else:
+        ckpt = (f"no checkpoint of step {done}" + (" (checkpoint.dir is on the filesystem that filled)" if save else
+                                                   " (this strategy writes none)"))
+    need = bytes_of(newest) + room.SAVE_MARGIN_BYTES if newest else room.checkpoint_estimate(checkpointer.layout)
+    rest = room.rest_of_run(cfg, checkpointer.layout, checkpointer.run_dir, checkpointer.dir,
+                            room.step_of(newest) if newest else 0, need)
+    free = room.free_advice(rest) or f"free space on the filesystem mounted at {room.mount_point(checkpointer.run_dir)}"
+    go_on = (f"continue with checkpoint.resume=auto run.dir={checkpointer.run_dir} (from {newest}; the record is cut "
+             "back to it and the steps after it run again)" if newest else
+             f"start again with run.overwrite=true run.dir={checkpointer.run_dir} (no checkpoint exists to continue "
+             "from; checkpoint.every=N saves one every N steps)")
+    return DiskFull(f"every rank stopped after step {done} of {cfg.trainer.max_steps}: the disk is full: {said}. "
+                    f"Written: {ckpt}. Not written: the rest of the run (the steps after {done}, its final weights "
+                    f"and results). To go on: {free}, then {go_on}.")
+
+
 def save_model_config(model_cfg, run_dir: str) -> bool:
     """config.json of a model=hf run (rank 0, when the trainer is built, before the first step): with
     model.safetensors, whose keys are the model's own parameter names, the run directory is a
@@ -99,8 +153,18 @@ def save_model_config(model_cfg, run_dir: str) -> bool:
     if model_cfg.kind != "hf":
         return False
     from zerolab.models.sources import hf_config_json
+    from zerolab.run.preempt import StopRequest
 
-    atomic_write_json(os.path.join(run_dir, "config.json"), hf_config_json(model_cfg))
+    path = os.path.join(run_dir, "config.json")
+    try:
+        atomic_write_json(path, hf_config_json(model_cfg))
+    except OSError as err:
+        if err.errno not in NO_SPACE:
+            raise
+        # rank 0 alone writes it: the ranks stop together after the first step (StopRequest.agreed)
+        StopRequest.write_failed(path, f"config.json (the transformers config beside the weights) did not fit in "
+                                       f"{run_dir} ({err.strerror})")
+        return False
     return True
 
 
@@ -131,7 +195,7 @@ def skipped_error(cfg, scaler, start_step: int, skipped: int, steps: int) -> Opt
     else:
         why = ("the gradients were not finite at those steps (trainer.nonfinite=skip); lower the lr or "
                "enable clipping (optim.grad_clip)")
-    where = f"{start_step}-{cfg.trainer.max_steps - 1}, 0-based"
+    where = f"steps {start_step + 1}-{cfg.trainer.max_steps}"  # numbered as in metrics.jsonl
     if skipped == steps:
         return (f"no update was applied: all {steps} steps of this run ({where}) were skipped, so the weights "
                 f"are the ones it started from; {why}. summary.json records skipped_steps.")
