@@ -34,6 +34,7 @@ from zerolab.activations import predict_activations
 from zerolab.precision import COMPUTE_BYTES
 from zerolab.memory import Prediction, human_bytes, load_model_config, shape_from_model_config, sweep_predictions
 from zerolab.memory.peak import predicted_peak
+from zerolab.predict import cli as predict_cli
 
 CATEGORIES = ("params", "grads", "master", "optim_state", "buffers", "activations", "transient")
 MAX_MICRO_BATCH = 1 << 16
@@ -200,15 +201,20 @@ def model_overrides(mcfg) -> list[str]:
     return ["model=gpt_tiny", f"model.name={mcfg.name}", *(f"model.{k}={getattr(mcfg, k)}" for k in keys)]
 
 
+def row_overrides(planner: Planner, job: list[str], fit: Fit, mb: int) -> list[str]:
+    """The overrides of the job a plan row describes, at micro-batch `mb`."""
+    return [*job, *strategy_overrides(fit.label), f"precision={planner.precision}", f"optim={planner.optim}",
+            f"strategy.bucket_mb={planner.bucket_mb}", f"data.micro_batch={mb}",
+            f"model.activation_checkpointing={fit.checkpointing}"]
+
+
 def confirm(fit: Fit, planner: Planner, job: list[str], budget: int) -> dict:
     """Rehearse rank 0 at the row's micro-batch; if its peak is over the budget, find by bisection
     the largest micro-batch whose rehearsed peak is within it. The row's `rehearsed` fields."""
     from zerolab.rehearsal import rehearse
 
     def peak(mb: int):
-        r = rehearse([*job, *strategy_overrides(fit.label), f"precision={planner.precision}",
-                      f"optim={planner.optim}", f"strategy.bucket_mb={planner.bucket_mb}", f"data.micro_batch={mb}",
-                      f"model.activation_checkpointing={fit.checkpointing}"], world=planner.world)
+        r = rehearse(row_overrides(planner, job, fit, mb), world=planner.world)
         return r.not_rehearsed, r.measured.get("mem/peak_bytes")
 
     if not fit.micro_batch:
@@ -230,7 +236,8 @@ def confirm(fit: Fit, planner: Planner, job: list[str], budget: int) -> dict:
 
 
 def format_exact(fits: list[Fit], confirmed: list[dict], budget: int) -> str:
-    lines = ["", f"--exact: each row rehearsed on rank 0 (python -m zerolab dry-run), against the budget {human_bytes(budget)}:",
+    lines = ["", f"--exact: each row rehearsed on rank 0 (python -m zerolab dry-run), against the budget "
+                 f"{human_bytes(budget)}:",
              f"{'strategy':<12} {'ckpt':<7} {'plan mb':>7} {'rehearsed peak':>15}  verdict"]
     for f, c in zip(fits, confirmed):
         if c["not_rehearsed"]:
@@ -278,13 +285,15 @@ def _model(args) -> tuple:
     return mcfg, job, activation_model(mcfg, mcfg.block_size, args.precision)
 
 
-def cli_main(argv: list[str]) -> int:
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m zerolab plan",
-                                description="The largest micro-batch per rank that fits each strategy, with and without "
-                                            "activation checkpointing, and the peak memory it predicts.")
+                                description="The largest micro-batch per rank that fits each strategy, with and "
+                                            "without activation checkpointing, and the peak memory it predicts; "
+                                            "with --hardware, what fits ranked by predicted tokens/s per device.")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--model", help="a model config name from conf/model/ (e.g. gpt2_124m)")
-    src.add_argument("--params", type=float, help="parameter count, e.g. 7e9: a GPT shape is derived (GPT-3's proportions)")
+    src.add_argument("--params", type=float,
+                     help="parameter count, e.g. 7e9: a GPT shape is derived (GPT-3's proportions)")
     p.add_argument("overrides", nargs="*",
                    help="the model as train.py takes it: model=hf model.config=PATH, model=custom model.target=... "
                         "(its activations are then measured on fake tensors)")
@@ -301,11 +310,19 @@ def cli_main(argv: list[str]) -> int:
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
                    help="whose kernels save the activations (attention, dropout masks differ)")
     p.add_argument("--bucket-mb", type=float, default=25.0, help="strategy.bucket_mb")
+    p.add_argument("--strategies", default="", help="only these rows, e.g. zero1,zero2,zero3,fsdp (default: all)")
     p.add_argument("--exact", action="store_true",
                    help="confirm each row's micro-batch by rehearsing rank 0 (python -m zerolab dry-run)")
+    p.add_argument("--micro-batches", default="1,2,4",
+                   help="with --hardware: the micro-batches per rank to predict, where they fit (default 1,2,4)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.add_argument("--plot", help="also write this PNG: peak per rank against micro-batch, the memory line drawn")
-    args = p.parse_args(argv)
+    predict_cli.add_arguments(p)
+    return p
+
+
+def cli_main(argv: list[str]) -> int:
+    args = _parser().parse_args(argv)
     from zerolab.config import ConfigError
 
     try:
@@ -315,12 +332,29 @@ def cli_main(argv: list[str]) -> int:
         mcfg, job, activations = _model(args)
         planner = Planner(mcfg, args.world, args.seq or mcfg.block_size, args.precision, args.optim,
                           "cpu (rehearsed)" if activations else args.device, args.bucket_mb, activations=activations)
+        topo = predict_cli.topology(args, args.world) if args.hardware else None
+        micro_batches = sorted({int(b) for b in args.micro_batches.split(",")})
+        if min(micro_batches) < 1:
+            raise ValueError(f"--micro-batches={args.micro_batches}: each must be at least 1")
+        wanted = set(filter(None, args.strategies.split(",")))
+        if wanted - set(planner.states):
+            raise ValueError(f"--strategies: no row {', '.join(sorted(wanted - set(planner.states)))}; "
+                             f"the rows: {', '.join(planner.states)}")
     except (ValueError, NotImplementedError, ConfigError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     budget = int(gpu_mem * (1 - args.margin))
-    fits = planner.table(budget)
+    fits = [f for f in planner.table(budget) if not wanted or f.label in wanted]
     confirmed = [confirm(f, planner, job, budget) for f in fits] if args.exact else []
+    speed = rank_by_speed(planner, job, fits, topo, micro_batches) if topo is not None else None
+    _print(args, planner, fits, confirmed, speed, gpu_mem, budget)
+    if args.plot:
+        plot_plan(args.plot, planner, fits, gpu_mem, args.margin)
+        print(f"plot: {args.plot}", file=sys.stderr if args.json else sys.stdout)
+    return 0
+
+
+def _print(args, planner: Planner, fits: list[Fit], confirmed: list[dict], speed, gpu_mem: int, budget: int) -> None:
     if args.json:
         m = planner.mcfg
         rows = [{**f.to_dict(), **(confirmed[i] if confirmed else {})} for i, f in enumerate(fits)]
@@ -329,12 +363,57 @@ def cli_main(argv: list[str]) -> int:
                           if m.kind == "gpt" else {"vocab_size": m.vocab_size, "source": m.config or m.target},
                           "precision": args.precision, "optim": args.optim, "world": args.world, "seq": planner.seq,
                           "device": planner.device, "gpu_mem_bytes": gpu_mem, "margin": args.margin,
-                          "budget_bytes": budget, "rows": rows}, indent=2))
-    else:
-        print(format_plan(planner, fits, gpu_mem, args.margin))
-        if confirmed:
-            print(format_exact(fits, confirmed, budget))
-    if args.plot:
-        plot_plan(args.plot, planner, fits, gpu_mem, args.margin)
-        print(f"plot: {args.plot}", file=sys.stderr if args.json else sys.stdout)
-    return 0
+                          "budget_bytes": budget, "rows": rows, **({"speed": speed} if speed is not None else {})},
+                         indent=2))
+        return
+    print(format_plan(planner, fits, gpu_mem, args.margin))
+    if confirmed:
+        print(format_exact(fits, confirmed, budget))
+    if speed is not None:
+        print(format_speed(speed))
+
+
+# ---- --hardware: what fits, ranked by predicted speed (zerolab.predict) ------------------------------
+def rank_by_speed(planner: Planner, job: list[str], fits: list[Fit], topo, micro_batches: list[int]) -> dict:
+    """Every (row, micro-batch) that fits, its step rehearsed (rank 0, recorded) and priced on
+    `topo`, fastest first; rows that cannot be rehearsed (DeepSpeed) are listed apart."""
+    from zerolab.rehearsal import rehearse
+
+    rows, skipped, assumptions = [], [], []
+    nodes = [f"dist.ranks_per_node={predict_cli.ranks_per_node(topo)}"] if predict_cli.ranks_per_node(topo) else []
+    for fit in fits:
+        for mb in (b for b in micro_batches if b <= fit.micro_batch):
+            if fit.label in {s["strategy"] for s in skipped}:
+                break
+            r = rehearse([*row_overrides(planner, job, fit, mb), *nodes], world=planner.world, record=True, quick=True)
+            if r.not_rehearsed:
+                skipped.append({"strategy": fit.label, "why": r.not_rehearsed})
+                break
+            p = predict_cli.priced(r, topo)
+            assumptions = p.assumptions
+            rows.append({"strategy": fit.label, "checkpointing": fit.checkpointing, "micro_batch": mb,
+                         "peak_bytes": planner.peak(fit.label, mb, fit.checkpointing)[0], "step_s": p.step_s,
+                         "tokens_per_s_per_device": p.tokens_per_s_per_device, "mfu": p.mfu,
+                         "comm_exposed_share": p.parts["comm_exposed"] / p.step_s if p.step_s else 0.0,
+                         "parts": p.parts})
+    rows.sort(key=lambda row: -row["tokens_per_s_per_device"])
+    return {"hardware": topo.device.name, "world": topo.world, "rows": rows, "not_rehearsed": skipped,
+            "assumptions": assumptions}
+
+
+def format_speed(speed: dict) -> str:
+    lines = ["", f"predicted speed on {speed['world']} x {speed['hardware']}, fastest first "
+                 f"(a prediction is a model, not a measurement):",
+             f"{'strategy':<12} {'ckpt':<7} {'mb':>4} {'peak/rank':>10} {'step':>11} {'tokens/s/dev':>13} {'MFU':>6} "
+             f"{'exposed comm':>13}"]
+    for r in speed["rows"]:
+        lines.append(f"{r['strategy']:<12} {r['checkpointing']:<7} {r['micro_batch']:>4} "
+                     f"{human_bytes(r['peak_bytes']):>10} {r['step_s'] * 1e3:>8.1f} ms "
+                     f"{r['tokens_per_s_per_device']:>13,.0f} {100 * r['mfu']:>5.1f}% "
+                     f"{100 * r['comm_exposed_share']:>12.1f}%")
+    if not speed["rows"]:
+        lines.append("(nothing fits at these micro-batches)")
+    lines += [f"not rehearsed, no time predicted: {s['strategy']} ({s['why'].split(' (')[0]})"
+              for s in speed["not_rehearsed"]]
+    lines += ["assumptions:", *(f"  - {a}" for a in speed["assumptions"])]
+    return "\n".join(lines)

@@ -13,6 +13,7 @@ from zerolab.report.figures import plot_breakdown, plot_comm, plot_loss, plot_lo
 from zerolab.report.intervals import bootstrap_ratio
 from zerolab.report.load import job_loads, judge
 from zerolab.report.parity import parity
+from zerolab.report.predicted import CHOICES, predictions
 from zerolab.report.runs import (Run, compute_stats, find_run_dirs, label_runs, load_run, merge_rounds,
                                  strategy_class, sweep_info)
 from zerolab.report.tables import (LEGEND, breakdown_table, machine_line, memory_table, parity_table, peak_table,
@@ -79,7 +80,10 @@ def load_runs(paths: list[str], baseline: Optional[str] = None) -> tuple[list[Ru
     return runs, base, loads
 
 
-def build_report(paths: list[str], out: str, baseline: Optional[str] = None, wandb_mode: str = "disabled") -> dict:
+def build_report(paths: list[str], out: str, baseline: Optional[str] = None, wandb_mode: str = "disabled",
+                 predict: str = "none") -> dict:
+    """report.md, report.json and the figures of `paths` in `out`; `predict` (auto | cpu | none):
+    the time model beside the profiled steps (zerolab/report/predicted.py)."""
     runs, base, loads = load_runs(paths, baseline)
     par = {r.label: ({"status": "baseline"} if r is base else parity(r, base)) for r in runs}
     out_dir = Path(out)
@@ -103,6 +107,11 @@ def build_report(paths: list[str], out: str, baseline: Optional[str] = None, wan
     breakdown = breakdown_table(runs) if profiled else ""
     if profiled:
         md += ["\n## Where the step goes\n", BREAKDOWN, breakdown]
+    model = predictions(runs, out_dir, predict)
+    if model["figure"]:
+        figures["predicted"] = model["figure"]
+    if model["table"] or model["note"]:
+        md += ["\n## The time model beside the profiled steps\n", model["table"] or model["note"]]
     md += ["\n## Figures\n"]
     md += [f"![{k}]({p.name})" for k, p in figures.items()]
     md += ["\n## Runs\n"] + [f"- {r.label}: `{r.path}`" + "".join(f", `{x.path}`" for x in r.repeats) for r in runs]
@@ -111,7 +120,8 @@ def build_report(paths: list[str], out: str, baseline: Optional[str] = None, wan
               "table": table, "parity": par, "baseline": base.label, "runs": [r.label for r in runs],
               "timing": {r.label: r.stats["timing"] for r in runs}, "machine": machine, "loadavg": loads,
               "breakdown": {r.label: r.stats["breakdown"] for r in runs if r.stats.get("breakdown")},
-              "breakdown_table": breakdown}
+              "breakdown_table": breakdown, "predicted": model["rows"], "predicted_table": model["table"],
+              "predicted_note": model["note"]}
     (out_dir / "report.json").write_text(json.dumps({k: v for k, v in result.items() if not k.endswith("table")},
                                                     indent=2, default=str))
     if wandb_mode != "disabled":
@@ -157,6 +167,9 @@ def cli_main(argv: list[str]) -> int:
                    help="label or strategy of the baseline run (default: the reference strategy's run)")
     p.add_argument("--wandb", default="runs", choices=["runs", "auto", "online", "offline", "disabled"],
                    help="log figures to wandb; 'runs' (default): as the runs were configured")
+    p.add_argument("--predict", default="auto", choices=CHOICES,
+                   help="the time model's prediction beside each profiled run (docs/predict.md): auto (default: "
+                        "when this machine is calibrated, python -m zerolab.predict calibrate), cpu, none")
     p.add_argument("--fail-on-mismatch", action="store_true", help="exit 1 when a parity check fails")
     args = p.parse_args(argv)
     try:
@@ -167,8 +180,8 @@ def cli_main(argv: list[str]) -> int:
                 if first else "disabled"
             if os.environ.get("WANDB_MODE") == "disabled":
                 mode = "disabled"
-        result = build_report(args.paths, args.out, args.baseline, mode)
-    except (FileNotFoundError, ValueError) as err:
+        result = build_report(args.paths, args.out, args.baseline, mode, args.predict)
+    except (FileNotFoundError, ValueError) as err:  # ConfigError is a ValueError
         print(f"zerolab compare: {err}", file=sys.stderr)
         return 2
     print(result["table"])
@@ -176,6 +189,8 @@ def cli_main(argv: list[str]) -> int:
     if result["breakdown_table"]:
         print("\nWhere the profiled steps go (means over steps and ranks; report.md says how to read it):\n"
               + result["breakdown_table"])
+    if result["predicted_table"] or result["predicted_note"]:
+        print("\nThe time model beside the profiled steps:\n" + (result["predicted_table"] or result["predicted_note"]))
     print(f"\nreport: {result['report']}")
     print("figures: " + " ".join(result["figures"].values()))
     print(result["machine"])

@@ -1,0 +1,212 @@
+"""The time model's pieces (zerolab.predict): the roofline, the ring and tree formulas, the overlap
+rule, the topology and its refusals, on hand-made records and hand-computed values (fast tier).
+
+The recorder on real dry runs, and the ZeRO paper's volumes: tests/test_predict_record.py. How
+the model compares with real runs is a benchmark (bench/predict_check.py), not a test."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+
+import pytest
+
+from zerolab.errors import ConfigError
+from zerolab.predict.hardware import BASE_LATENCY_S, DEVICES, LINKS, Device, Link, apply_overrides, cpu_device, device
+from zerolab.predict.model import op_seconds, predict
+from zerolab.predict.record import Collective, Op, StepRecord, Sync, Wait
+from zerolab.predict.report import format_prediction
+from zerolab.predict.timeline import replay
+from zerolab.predict.topology import Topology
+
+# A device and links with round figures, so that every expected time below is a hand calculation.
+DEV = Device("test", "a round device", {"bf16": 100e12, "fp32": 10e12}, 1e12, 80 * 10**9, "made up", achievable=1.0)
+FAST = Link("fast", "intra", 100e9, 1e-6, "made up")
+SLOW = Link("slow", "inter", 10e9, 5e-6, "made up")
+REL = 1e-12  # the model is closed-form arithmetic: only float rounding separates it from the hand values
+
+
+def op(name="mm", phase="forward", flops=0.0, nbytes=0, kernels=1, stream=0, dtype="bf16", priced=True):
+    return Op(name, phase, stream, flops, nbytes, kernels, priced, dtype, -1)
+
+
+# ---- the roofline ----------------------------------------------------------------------------------
+def test_an_op_costs_the_larger_of_its_compute_and_its_memory_time():
+    assert math.isclose(op_seconds(op(flops=2e12, nbytes=1e9), DEV), 2e12 / 100e12, rel_tol=REL)  # 20 ms > 1 ms
+    assert math.isclose(op_seconds(op(flops=1e9, nbytes=5e9), DEV), 5e9 / 1e12, rel_tol=REL)  # 5 ms > 10 us
+    assert math.isclose(op_seconds(op(flops=1e12, dtype="fp32"), DEV), 1e12 / 10e12, rel_tol=REL)  # its dtype's peak
+    slower = dataclasses.replace(DEV, achievable=0.5, op_overhead_s=2e-6)
+    # half of each peak, plus 2 us for each of the op's 3 kernels
+    assert math.isclose(op_seconds(op(flops=2e12, kernels=3), slower), 2e12 / 50e12 + 3 * 2e-6, rel_tol=REL)
+
+
+# ---- collectives on links --------------------------------------------------------------------------
+def topo(world: int, gpn: int = 8) -> Topology:
+    return Topology(world, gpn, FAST, SLOW, DEV)
+
+
+def test_ring_all_gather_across_two_nodes_by_hand():
+    """16 ranks, 2 nodes of 8: each rank sends 15/16 of S; 1/8 of it leaves the node on its own NIC."""
+    s = 1.6e9
+    p = topo(16).price("all_gather", s, tuple(range(16)))
+    sent = 15 / 16 * s
+    assert p.algorithm == "ring"
+    assert math.isclose(p.intra_bytes, sent * 7 / 8, rel_tol=REL) and math.isclose(p.inter_bytes, sent / 8, rel_tol=REL)
+    # the network's share is the slower: 0.1875 GB at 10 GB/s; 14 steps inside a node, 1 across
+    expected = BASE_LATENCY_S + 14 * 1e-6 + 1 * 5e-6 + (sent / 8) / 10e9
+    assert math.isclose(p.seconds, expected, rel_tol=REL)
+
+
+def test_ring_all_reduce_inside_a_node_and_groups_of_one_link():
+    s = 8e8
+    inside = topo(8).price("all_reduce", s, tuple(range(8)))
+    assert inside.inter_bytes == 0 and math.isclose(inside.intra_bytes, 2 * 7 / 8 * s, rel_tol=REL)
+    assert math.isclose(inside.seconds, BASE_LATENCY_S + 14 * 1e-6 + 2 * 7 / 8 * s / 100e9, rel_tol=REL)
+    # a node group of a 64-rank job is priced on the intra-node link alone, a cross-node group
+    # (one rank per node) on the network alone: what hierarchical sharding is priced on
+    t = topo(64)
+    node = t.price("reduce_scatter", s, tuple(range(8)))
+    across = t.price("reduce_scatter", s, tuple(range(0, 64, 8)))
+    assert node.inter_bytes == 0 and across.intra_bytes == 0
+    assert math.isclose(across.seconds, BASE_LATENCY_S + 7 * 5e-6 + 7 / 8 * s / 10e9, rel_tol=REL)
+
+
+def test_a_small_all_reduce_on_many_nodes_takes_the_tree():
+    """64 ranks on 8 nodes, 1 kB: the ring's 126 steps (14 across nodes) cost more than the tree's
+    2 x (7 intra + log2 8 network) steps; a large buffer goes back to the ring."""
+    t = topo(64)
+    small = t.price("all_reduce", 1000, tuple(range(64)))
+    assert small.algorithm == "tree"
+    tree_latency = BASE_LATENCY_S + 2 * (7 * 1e-6 + 3 * 5e-6)
+    assert math.isclose(small.seconds, tree_latency + max(2 * 1000 * 7 / 8 / 100e9, 2 * 1000 / 8 / 10e9), rel_tol=REL)
+    assert t.price("all_reduce", 4e9, tuple(range(64))).algorithm == "ring"
+
+
+def test_nothing_to_send_costs_nothing():
+    assert topo(8).price("all_gather", 1e6, (3,)).seconds == 0
+    assert topo(8).price("all_gather", 0, tuple(range(8))).seconds == 0
+
+
+# ---- the overlap rule --------------------------------------------------------------------------------
+def coll(index, kind="all_gather", phase="forward", stream=0, ranks=(0, 1)):
+    return Collective(index, kind, 1, ranks, phase, stream)
+
+
+def run(events, seconds: dict, streams=True):
+    rec = StepRecord(events=events, collectives=[e for e in events if isinstance(e, Collective)])
+    return replay(rec, lambda o: o.bytes, lambda c: seconds[c.index], streams)
+
+
+def test_a_collective_hides_behind_the_compute_issued_between_it_and_its_wait():
+    # 1 s of gather behind 2 s of compute: hidden; 3 s behind 1 s: 2 s exposed
+    events = [coll(0), op(nbytes=2), Wait(0, False, "forward", 0), coll(1, phase="backward"),
+              op(phase="backward", nbytes=1), Wait(1, False, "backward", 0), op(phase="optimizer", nbytes=0.5)]
+    r = run(events, {0: 1.0, 1: 3.0})
+    assert r.parts == {"compute": 3.0, "optimizer": 0.5, "comm_exposed": 2.0, "other": 0.0}
+    assert r.step_s == sum(r.parts.values()) == 5.5
+    assert r.comm_s == 4.0 and r.exposed_by_kind == {"all_gather": 2.0}
+
+
+def test_what_a_step_leaves_in_flight_is_waited_for_by_the_next():
+    """zero1/2's shape: an all-gather launched by the optimizer (2 s), waited for after the next
+    step's first op (0.5 s): 1.5 s exposed in the next forward, every step."""
+    events = [op(nbytes=0.5), Wait(0, True, "forward", 0), op(nbytes=1), op(phase="optimizer", nbytes=0.25),
+              coll(0, phase="optimizer")]
+    r = run(events, {0: 2.0})
+    assert math.isclose(r.parts["comm_exposed"], 1.5) and math.isclose(r.step_s, 3.25)
+
+
+def test_side_streams_on_a_gpu_and_one_timeline_on_a_cpu():
+    """FSDP2's shape: a gather issued on stream 1 before the compute stream's 1 s op; the compute
+    stream waits for it by an event (after 0.5 s more). On a GPU the 2 s gather overlaps both ops:
+    0.5 s exposed. On a CPU a wait on any stream holds the host: the gather's wait (inside its own
+    stream context) comes before the ops, so all 2 s are exposed."""
+    events = [Sync("wait_stream", 1, 0), coll(0, stream=1), Wait(0, False, "forward", 1), Sync("record", 1, 1),
+              op(nbytes=1), op(nbytes=0.5), Sync("wait_event", 0, 1), op(nbytes=0.25)]
+    gpu = run(events, {0: 2.0}, streams=True)
+    cpu = run(events, {0: 2.0}, streams=False)
+    assert math.isclose(gpu.parts["comm_exposed"], 0.5) and math.isclose(gpu.step_s, 2.25)
+    assert math.isclose(cpu.parts["comm_exposed"], 2.0) and math.isclose(cpu.step_s, 3.75)
+
+
+def test_collectives_of_one_group_run_one_after_another():
+    # two 1 s gathers issued together, waited together after 0.5 s: the second ends at 2 s
+    events = [coll(0), coll(1), op(nbytes=0.5), Wait(0, False, "forward", 0), Wait(1, False, "forward", 0)]
+    assert math.isclose(run(events, {0: 1.0, 1: 1.0}).parts["comm_exposed"], 1.5)
+    other_group = [coll(0), coll(1, ranks=(0, 2)), op(nbytes=0.5), Wait(0, False, "forward", 0),
+                   Wait(1, False, "forward", 0)]
+    assert math.isclose(run(other_group, {0: 1.0, 1: 1.0}).parts["comm_exposed"], 0.5)
+
+
+# ---- the prediction and what it says ------------------------------------------------------------------
+def test_tokens_mfu_and_an_op_without_a_formula_named():
+    events = [op(flops=1e12, nbytes=0), op(name="my_kernel", nbytes=1e9, priced=False, dtype=""),
+              op(phase="optimizer", name="_foreach_add_", nbytes=1e9, dtype="")]
+    rec = StepRecord(events=events)
+    rec.unpriced["my_kernel"] = 1
+    p = predict(rec, topo(8), tokens_per_rank=1000, flops_per_token=1e9, dtype="bf16")
+    assert math.isclose(p.step_s, 0.01 + 0.001 + 0.001, rel_tol=REL)  # 10 ms of FLOPs, 1 ms of bytes each
+    assert math.isclose(p.tokens_per_s_per_device, 1000 / 0.012, rel_tol=REL)
+    assert math.isclose(p.mfu, 1000 / 0.012 * 1e9 / 100e12, rel_tol=REL)
+    assert p.unpriced[0][:2] == ("my_kernel", 1) and math.isclose(p.unpriced[0][2], 0.001 / 0.012, rel_tol=REL)
+    text = format_prediction(p)
+    assert "a prediction is a model, not a measurement" in text
+    assert "priced by their bytes alone (no FLOP formula): my_kernel x1" in text
+    assert "achievable: x1" in text and "100 TFLOP/s bf16 peak" in text
+
+
+# ---- hardware and topology: data, overrides, refusals -------------------------------------------------
+def test_every_device_and_link_says_where_its_figures_come_from():
+    for name in ("a100", "h100", "h200"):
+        d = DEVICES[name]
+        assert d.flops["bf16"] > d.flops["fp32"] > 0 and d.memory_bandwidth > 0 and d.memory > 0 and d.source
+        assert d.intra in LINKS and d.inter in LINKS
+    assert all(k.bandwidth > 0 and k.latency_s > 0 and k.source for k in LINKS.values())
+    assert {"nvlink3", "nvlink4", "pcie4", "pcie5", "ib-hdr", "ib-ndr", "roce-400"} <= set(LINKS)
+
+
+def test_refusals_name_the_problem_and_the_fix(tmp_path, monkeypatch):
+    with pytest.raises(ConfigError, match=r"unknown hardware 'h900'; known: a100, h100, h200"):
+        device("h900")
+    with pytest.raises(ConfigError, match="--gpus-per-node 8 does not divide --world 12"):
+        topo(12)
+    topo(4)  # fewer ranks than a node holds: one node, partly used
+    with pytest.raises(ConfigError, match="--hw 'flops=1': give KEY=VALUE with KEY one of bf16_flops"):
+        apply_overrides(DEV, FAST, SLOW, ["flops=1"])
+    with pytest.raises(ConfigError, match="achievable: in"):
+        apply_overrides(DEV, FAST, SLOW, ["achievable=2"])
+    monkeypatch.setenv("ZEROLAB_CPU_CALIBRATION", str(tmp_path / "none.json"))
+    with pytest.raises(ConfigError, match="run `python -m zerolab.predict calibrate` first"):
+        device("cpu", 2)
+
+
+def test_overrides_change_the_figure_they_name():
+    dev, intra, inter = apply_overrides(DEVICES["h100"], LINKS["nvlink4"], LINKS["ib-ndr"],
+                                        ["memory_bandwidth=2.4e12", "bf16_flops=8e14", "inter_bandwidth=25e9",
+                                         "op_overhead_us=3", "achievable=0.5"])
+    assert (dev.memory_bandwidth, dev.flops["bf16"], inter.bandwidth, intra.bandwidth) == (2.4e12, 8e14, 25e9, 450e9)
+    assert math.isclose(dev.op_overhead_s, 3e-6) and dev.achievable == 0.5
+
+
+CALIBRATION = {"machine": "test", "date": "2026-12-03", "ranks": {
+    str(n): {"matmul_fp32": 50e9 / n, "matmul_bf16": 1e9, "attention_fp32": 20e9, "memory_bandwidth": 10e9,
+             "op_overhead_s": 1e-5,
+             "gloo": {"all_reduce": {"2": {"latency_s": 1e-4, "bandwidth": 1e9},
+                                     "3": {"latency_s": 2e-4, "bandwidth": 5e8}},
+                      "all_gather": {"2": {"latency_s": 0.0, "bandwidth": 4e8}}}} for n in (1, 2, 3)}}
+
+
+def test_the_cpu_entry_is_this_machines_calibration(tmp_path, monkeypatch):
+    """The rank count picks the entry measured with that many ranks at once; gloo's figures are
+    looked up per kind and group size (a group of 4 takes the nearest measured: 3)."""
+    path = tmp_path / "cal.json"
+    path.write_text(json.dumps(CALIBRATION))
+    monkeypatch.setenv("ZEROLAB_CPU_CALIBRATION", str(path))
+    cpu = device("cpu", 2)
+    assert cpu.host_sync and cpu.flops["fp32"] == 25e9 and cpu.op_overhead_s == 1e-5
+    assert cpu_device(7, str(path)).flops["fp32"] == 50e9 / 3  # more ranks than measured: the largest count
+    t = Topology(2, 2, LINKS["pcie4"], LINKS["pcie4"], cpu)
+    assert math.isclose(t.price("all_reduce", 1e8, (0, 1)).seconds, 1e-4 + 1e8 / 1e9, rel_tol=REL)
+    assert math.isclose(t.price("all_gather", 1e8, (0, 1)).seconds, 1e8 / 4e8, rel_tol=REL)
+    four = Topology(4, 4, LINKS["pcie4"], LINKS["pcie4"], cpu).price("all_reduce", 1e8, (0, 1, 2, 3))
+    assert math.isclose(four.seconds, 2e-4 + 1e8 / 5e8, rel_tol=REL)

@@ -1,0 +1,57 @@
+"""The prediction of a finished run beside what its profiled steps measured (zerolab.predict.runs,
+zerolab.rehearsal.predict_run; slow tier: a real 2-rank run first). Correctness only: the
+comparison reads the run's own config and parts; how close the two are is bench/predict_check.py's."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import run_ranks
+from test_predict import CALIBRATION
+from zerolab.errors import ConfigError
+from zerolab.predict.runs import plot_comparison, read_run
+from zerolab.rehearsal import predict_run
+from zerolab.report.build import build_report
+
+PARTS = ("compute", "optimizer", "comm_exposed", "other")
+
+
+@pytest.mark.slow
+def test_a_profiled_run_is_predicted_from_its_own_directory(tmp_path, monkeypatch):
+    calibration = tmp_path / "cal.json"  # the test's own figures: nothing depends on this machine's calibration
+    calibration.write_text(json.dumps(CALIBRATION))
+    monkeypatch.setenv("ZEROLAB_CPU_CALIBRATION", str(calibration))
+    run = tmp_path / "run"
+    codes = run_ranks(run, 2, "model=gpt_tiny", "strategy=zero2", "data.micro_batch=2", "trainer.max_steps=6",
+                      "profile.steps=[3,5]", "trainer.eval_every=0", "run.save_model=false")
+    assert codes == [0, 0]
+    job = read_run(str(run))
+    assert (job.world, job.strategy, job.cfg.model.name) == (2, "zero2", "gpt_tiny")
+    assert set(job.measured) == {*PARTS, "step"}
+    # the measured parts add up to the step, as the profiler makes them (floats of one sum)
+    assert sum(job.measured[p] for p in PARTS) == pytest.approx(job.measured["step"], rel=1e-9)
+    got = predict_run(str(run))
+    assert got["strategy"] == "zero2" and got["world"] == 2 and got["hardware"] == "cpu"
+    parts = got["parts"]
+    assert sum(parts[p]["predicted"] for p in PARTS) == pytest.approx(parts["step"]["predicted"], rel=1e-9)
+    assert all(parts[p]["measured"] == job.measured[p] for p in (*PARTS, "step"))
+    assert parts["step"]["ratio"] == pytest.approx(parts["step"]["predicted"] / parts["step"]["measured"])
+    plot_comparison([got], str(tmp_path / "predicted.png"))
+    assert (tmp_path / "predicted.png").stat().st_size > 0
+    # python -m zerolab compare lays the same prediction beside the run's profiled parts
+    report = build_report([str(run)], str(tmp_path / "report"), predict="cpu")
+    assert report["predicted"][0]["parts"] == parts
+    text = (tmp_path / "report" / "report.md").read_text()
+    assert "## The time model beside the profiled steps" in text and "predicted.png" in text
+    assert (tmp_path / "report" / "predicted.png").stat().st_size > 0
+    monkeypatch.setenv("ZEROLAB_CPU_CALIBRATION", str(tmp_path / "none.json"))  # an uncalibrated machine:
+    report = build_report([str(run)], str(tmp_path / "report2"), predict="auto")  # said, not failed
+    assert report["predicted"] == [] and "python -m zerolab.predict calibrate" in report["predicted_note"]
+    with pytest.raises(ConfigError, match="python -m zerolab.predict calibrate"):
+        build_report([str(run)], str(tmp_path / "report3"), predict="cpu")
+
+
+def test_a_directory_without_a_run_is_refused(tmp_path):
+    with pytest.raises(ConfigError, match="no summary.json; a prediction needs a finished run's directory"):
+        read_run(str(tmp_path))

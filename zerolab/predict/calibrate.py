@@ -1,0 +1,228 @@
+"""`python -m zerolab.predict calibrate`: this machine's figures for the `cpu` hardware entry.
+
+Measured the way a real run uses the machine: for each number of ranks n (1, 2, 3), n processes
+of one thread each (OMP_NUM_THREADS=1, as zerolab's CPU runs) start together and measure at once,
+so each figure is what one rank gets while the others work beside it. Per n:
+
+- matmul_fp32 / matmul_bf16: FLOP/s of torch.mm, the median over GEMM shapes of a small
+  transformer's (rows 512-2048, inner and outer sizes 256-1536, both orientations), best of 5 each;
+- attention_fp32: FLOP/s of the CPU flash attention, forward and backward (torch's SDPA FLOP
+  counts, causal, half of them, as zerolab.predict.ops counts), at 8 x 6 heads x 128 x 64;
+- memory_bandwidth: bytes/s of elementwise ops on 32 MiB tensors that already exist (in place, and
+  into a preallocated output: a training step reuses its buffers), the median of add, mul, copy;
+- op_overhead_s: what one kernel costs beyond its roofline: a tiny MLP's forward, backward and
+  AdamW step (tensors of a few elements) timed, divided by the kernels zerolab.predict.ops counts
+  in it (module calls, autograd and the dispatcher included);
+- gloo (n >= 2): all-reduce, reduce-scatter, all-gather and broadcast at 256 KiB to 32 MiB, the
+  median of 5 after a warm-up, fitted to latency + bytes / bandwidth (bytes: the full buffer).
+
+The result is a JSON file (hardware.calibration_path()); `--hardware cpu` reads it. Nothing in the
+test suite depends on it.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+
+SHAPES = [(1024, 384, 384), (1024, 384, 1536), (1024, 1536, 384), (384, 1024, 1536), (2048, 512, 512),
+          (512, 256, 1024), (1536, 1024, 384), (1024, 1024, 1024)]
+GLOO_SIZES = [256 << 10, 1 << 20, 4 << 20, 16 << 20, 32 << 20]
+KINDS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast")
+
+
+def _seconds_per_call(fn, seconds: float = 0.3) -> float:
+    """The mean time of `fn` over at least `seconds` of calls (after one untimed). A mean, not a
+    best: with more ranks than cores the ranks take turns, and a best would catch a rank alone."""
+    fn()
+    calls, t0 = 0, time.perf_counter()
+    while True:
+        fn()
+        calls += 1
+        elapsed = time.perf_counter() - t0
+        if elapsed >= seconds and calls >= 3:
+            return elapsed / calls
+
+
+def matmul_rate(dtype: torch.dtype) -> float:
+    rates = []
+    for m, k, n in SHAPES if dtype == torch.float32 else SHAPES[:2]:  # 16-bit matmuls are slow on most CPUs
+        a, b = torch.randn(m, k).to(dtype), torch.randn(k, n).to(dtype)
+        rates.append(2 * m * k * n / _seconds_per_call(lambda: torch.mm(a, b)))
+    return statistics.median(rates)
+
+
+def attention_rate() -> float:
+    from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
+
+    shape = (8, 6, 128, 64)
+    q, k, v = (torch.randn(shape, requires_grad=True) for _ in range(3))
+    flops = (sdpa_flop_count(shape, shape, shape) + sdpa_backward_flop_count(shape, shape, shape, shape)) / 2
+
+    def fwd_bwd():
+        torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
+    return flops / _seconds_per_call(fwd_bwd, 0.5)
+
+
+def memory_rate() -> float:
+    n = 8 << 20  # 32 MiB of fp32
+    a, b, c = torch.randn(n), torch.randn(n), torch.empty(n)
+    rates = [3 * 4 * n / _seconds_per_call(lambda: torch.add(a, b, out=c)),
+             2 * 4 * n / _seconds_per_call(lambda: a.mul_(1.0)), 2 * 4 * n / _seconds_per_call(lambda: c.copy_(a))]
+    return statistics.median(rates)
+
+
+def op_overhead(bandwidth: float) -> float:
+    """Seconds per kernel beyond the roofline, from a tiny model's step (module docstring)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from zerolab.predict.ops import cost
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU(), torch.nn.Linear(8, 8), torch.nn.LayerNorm(8))
+    opt = torch.optim.AdamW(model.parameters(), fused=True)
+    x = torch.randn(2, 8)
+
+    def step():
+        model(x).sum().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+
+    counted = {"kernels": 0, "bytes": 0}
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            _, moved, kernels, _, _ = cost(func, args, kwargs or {}, out)
+            counted["kernels"] += kernels
+            counted["bytes"] += moved
+            return out
+
+    step()
+    with Count():
+        step()
+    t = _seconds_per_call(step, 0.5)
+    return max(0.0, (t - counted["bytes"] / bandwidth) / counted["kernels"])
+
+
+def gloo_fits(world: int) -> dict:
+    import torch.distributed as dist
+
+    out = {}
+    for kind in KINDS:
+        points = []
+        for size in GLOO_SIZES:
+            n = size // 4 // world * world
+            full, part = torch.ones(n), torch.ones(n // world)
+            call = {"all_reduce": lambda: dist.all_reduce(full),
+                    "reduce_scatter": lambda: dist.reduce_scatter_single(part, full),
+                    "all_gather": lambda: dist.all_gather_single(full, part),
+                    "broadcast": lambda: dist.broadcast(full, 0)}[kind]
+            call()
+            times = []
+            for _ in range(5):
+                dist.barrier()
+                t0 = time.perf_counter()
+                call()
+                times.append(time.perf_counter() - t0)
+            points.append((4 * n, statistics.median(times)))
+        out[kind] = _fit(points)
+    return out
+
+
+def _fit(points: list[tuple[int, float]]) -> dict:
+    """Least squares t = latency + bytes / bandwidth (latency at least 0)."""
+    xs, ys = [p[0] for p in points], [p[1] for p in points]
+    mx, my = statistics.mean(xs), statistics.mean(ys)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    latency = max(0.0, my - slope * mx)
+    return {"latency_s": latency, "bandwidth": 1.0 / slope if slope > 0 else float("inf"),
+            "points": [[x, y] for x, y in points]}
+
+
+def _worker(rank: int, world: int, init: str, out_dir: str) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    try:
+        figures = {}
+        for name, bench in (("matmul_fp32", lambda: matmul_rate(torch.float32)),
+                            ("matmul_bf16", lambda: matmul_rate(torch.bfloat16)), ("attention_fp32", attention_rate),
+                            ("memory_bandwidth", memory_rate)):
+            dist.barrier()  # every rank measures at once, as a real run's ranks compute at once
+            figures[name] = bench()
+        dist.barrier()
+        figures["op_overhead_s"] = op_overhead(figures["memory_bandwidth"])
+        dist.barrier()
+        if world > 1:
+            figures["gloo"] = {str(world): gloo_fits(world)}
+        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+            json.dump(figures, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def measure(ranks: int) -> dict:
+    """The figures of `ranks` ranks measuring at once: each the median over the ranks."""
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory(prefix="zerolab-calibrate-") as d:
+        init = "file://" + os.path.join(d, "store")
+        mp.start_processes(_worker, args=(ranks, init, d), nprocs=ranks, start_method="spawn")
+        per_rank = [json.load(open(os.path.join(d, f"rank{r}.json"))) for r in range(ranks)]
+    out = {k: statistics.median(p[k] for p in per_rank) for k in per_rank[0] if k != "gloo"}
+    if ranks > 1:
+        out["gloo"] = {kind: {str(ranks): per_rank[0]["gloo"][str(ranks)][kind]} for kind in KINDS}
+    return out
+
+
+def calibrate(counts=(1, 2, 3)) -> dict:
+    os.environ["OMP_NUM_THREADS"] = "1"  # the workers' (spawned processes inherit it)
+    result = {"machine": f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}",
+              "date": datetime.date.today().isoformat(), "load_average_before": os.getloadavg()[0], "ranks": {}}
+    for n in counts:
+        result["ranks"][str(n)] = measure(n)
+    # each entry keeps gloo at every size measured, for a group size other than its own rank count
+    gloo = {kind: {} for kind in KINDS}
+    for n in counts:
+        for kind, by_size in result["ranks"][str(n)].get("gloo", {}).items():
+            gloo[kind].update(by_size)
+    for entry in result["ranks"].values():
+        entry["gloo"] = gloo
+    result["load_average_after"] = os.getloadavg()[0]
+    return result
+
+
+def cli_main(argv: list[str]) -> int:
+    from zerolab.predict.hardware import calibration_path
+
+    p = argparse.ArgumentParser(prog="python -m zerolab.predict calibrate",
+                                description="Measure this machine for --hardware cpu (matmul, attention, memory, "
+                                            "per-kernel overhead, gloo collectives), with 1, 2 and 3 ranks at once.")
+    p.add_argument("--out", default="", help=f"where to write the figures (default {calibration_path()})")
+    p.add_argument("--ranks", default="1,2,3", help="rank counts to measure (default 1,2,3)")
+    args = p.parse_args(argv)
+    counts = tuple(int(n) for n in args.ranks.split(","))
+    result = calibrate(counts)
+    path = args.out or calibration_path()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(result, f, indent=2)
+    for n, c in result["ranks"].items():
+        print(f"{n} rank(s): matmul fp32 {c['matmul_fp32'] / 1e9:.1f} GFLOP/s, bf16 {c['matmul_bf16'] / 1e9:.1f}, "
+              f"attention {c['attention_fp32'] / 1e9:.1f}, memory {c['memory_bandwidth'] / 1e9:.1f} GB/s, "
+              f"{c['op_overhead_s'] * 1e6:.1f} us per kernel")
+    for kind, by_size in result["ranks"][str(counts[-1])]["gloo"].items():
+        print(f"gloo {kind}: " + ", ".join(f"{n} ranks {f['latency_s'] * 1e6:.0f} us + bytes / "
+                                           f"{f['bandwidth'] / 1e9:.2f} GB/s" for n, f in sorted(by_size.items())))
+    print(f"written: {path} (load average {result['load_average_before']:.2f} before, "
+          f"{result['load_average_after']:.2f} after)", file=sys.stderr)
+    return 0

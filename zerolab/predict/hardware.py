@@ -1,0 +1,159 @@
+"""Hardware as data: devices and links, each figure with its source, and the one achievable factor.
+
+A device's figures are its data sheet's peaks (dense, no structured sparsity); a link's bandwidth
+is per GPU and per direction. A prediction reaches `achievable` x each peak (FLOP/s, memory
+bandwidth, link bandwidth): one factor shared by every GPU kind, GPU_ACHIEVABLE, fitted once on
+one published run (docs/predict.md says which, and how far the other lands). The `cpu` entry is
+this machine's, measured by `python -m zerolab.predict calibrate` (zerolab.predict.calibrate),
+with its own figures per number of ranks sharing the host and none of the GPU factor.
+
+Latency per collective and per ring step are NCCL's tuning constants for its Simple protocol
+(NVIDIA/nccl src/graph/tuning.cc, baseLat and hwLat, as torch._inductor.comm_analysis ports them):
+8.4 us per collective, 3.4 us per step over NVLink, 5.7 over PCIe, 14.0 across the network.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+
+from zerolab.errors import ConfigError
+
+# Fitted on torchtitan's Llama 3 8B under FSDP on 64 A100 80GB, 2,876 tokens/s per GPU (bisection:
+# 0.693; docs/predict.md, bench/predict_gpu.py): the fraction of every peak a step reaches. The H100
+# run (torchtitan's Llama 3.1 8B on 8 H100) was not used to fit it: it is the model's prediction.
+GPU_ACHIEVABLE = 0.69
+
+
+@dataclass(frozen=True)
+class Device:
+    name: str
+    label: str
+    flops: dict  # compute dtype ("fp32", "bf16", "fp16") -> peak dense FLOP/s
+    memory_bandwidth: float  # bytes/s
+    memory: int  # bytes
+    source: str
+    intra: str = ""  # default links: inside a node, and across nodes (per GPU)
+    inter: str = ""
+    achievable: float = GPU_ACHIEVABLE
+    op_overhead_s: float = 0.0  # per kernel launched; 0 on a GPU (the host runs ahead of the device)
+    host_sync: bool = False  # a CPU: one timeline, waits block the host (no streams)
+    gloo: dict = field(default_factory=dict)  # cpu: calibrated collectives, kind -> group size -> latency, bandwidth
+    kernel_flops: dict = field(default_factory=dict)  # cpu: op name -> measured FLOP/s where it is not a matmul's
+
+    def peak(self, dtype: str) -> float:
+        return self.flops.get(dtype) or self.flops["fp32"]
+
+
+@dataclass(frozen=True)
+class Link:
+    name: str
+    label: str
+    bandwidth: float  # bytes/s per GPU, each direction
+    latency_s: float  # per ring step
+    source: str
+
+
+NVIDIA = "NVIDIA data sheet"
+DEVICES = {d.name: d for d in (
+    Device("a100", "NVIDIA A100 80GB SXM", {"bf16": 312e12, "fp16": 312e12, "fp32": 19.5e12}, 2039e9, 80 * 10**9,
+           f"{NVIDIA} 'NVIDIA A100 Tensor Core GPU' (2021): BF16/FP16 312 TFLOPS dense, FP32 19.5, HBM2e 2,039 GB/s",
+           "nvlink3", "ib-hdr"),
+    Device("h100", "NVIDIA H100 SXM5 80GB", {"bf16": 989.4e12, "fp16": 989.4e12, "fp32": 66.9e12}, 3.35e12,
+           80 * 10**9, f"{NVIDIA} 'NVIDIA H100 Tensor Core GPU' (2023): BF16/FP16 989.4 TFLOPS dense (1,979 with "
+           "sparsity), FP32 66.9, HBM3 3.35 TB/s", "nvlink4", "ib-ndr"),
+    Device("h200", "NVIDIA H200 SXM 141GB", {"bf16": 989.4e12, "fp16": 989.4e12, "fp32": 66.9e12}, 4.8e12,
+           141 * 10**9, f"{NVIDIA} 'NVIDIA H200 Tensor Core GPU' (2024): H100 SXM's compute, HBM3e 4.8 TB/s, 141 GB",
+           "nvlink4", "ib-ndr"),
+    Device("h100-hbm2e", "NVIDIA H100 96GB HBM2e at 500 W (Meta's Grand Teton)",
+           {"bf16": 989.4e12, "fp16": 989.4e12, "fp32": 66.9e12}, 2.4e12, 96 * 10**9,
+           "torchtitan benchmarks/llama3_h100_202412_torchtitan.md: 96GB HBM2e, 2.4 TB/s, 400 Gb/s RDMA per GPU, "
+           "500 W; its peak FLOP/s is not published ('between SXM and NVL'): the H100 SXM's is used, as torchtitan's "
+           "MFU does", "nvlink4", "roce-400"),
+)}
+
+LINKS = {k.name: k for k in (
+    Link("nvlink3", "NVLink 3 (A100)", 300e9, 3.4e-6, f"{NVIDIA} A100: 600 GB/s per GPU, both directions"),
+    Link("nvlink4", "NVLink 4 (H100/H200 SXM)", 450e9, 3.4e-6, f"{NVIDIA} H100: 900 GB/s per GPU, both directions"),
+    Link("pcie4", "PCIe 4.0 x16", 31.5e9, 5.7e-6, "PCI-SIG PCIe 4.0: 16 GT/s x 16 lanes, 128b/130b"),
+    Link("pcie5", "PCIe 5.0 x16", 63e9, 5.7e-6, "PCI-SIG PCIe 5.0: 32 GT/s x 16 lanes, 128b/130b"),
+    Link("ib-hdr", "InfiniBand HDR, 200 Gb/s per GPU", 25e9, 14.0e-6, "InfiniBand HDR: 200 Gb/s per port"),
+    Link("ib-ndr", "InfiniBand NDR, 400 Gb/s per GPU", 50e9, 14.0e-6, "InfiniBand NDR: 400 Gb/s per port"),
+    Link("roce-400", "RoCE, 400 Gb/s per GPU", 50e9, 14.0e-6, "400 Gb Ethernet (RDMA) per GPU"),
+    Link("eth-100", "Ethernet, 100 Gb/s per GPU", 12.5e9, 14.0e-6, "100 Gb Ethernet per GPU"),
+)}
+BASE_LATENCY_S = 8.4e-6  # per collective (module docstring)
+ATTENTION_KERNELS = ("_scaled_dot_product_flash_attention_for_cpu",
+                     "_scaled_dot_product_flash_attention_for_cpu_backward")
+
+# `--hw KEY=VALUE`: what a command line may change, and where it lands
+OVERRIDES = {"bf16_flops": "flops.bf16", "fp16_flops": "flops.fp16", "fp32_flops": "flops.fp32",
+             "memory_bandwidth": "memory_bandwidth", "memory": "memory", "achievable": "achievable",
+             "op_overhead_us": "op_overhead_s", "intra_bandwidth": "intra.bandwidth",
+             "inter_bandwidth": "inter.bandwidth", "intra_latency_us": "intra.latency_s",
+             "inter_latency_us": "inter.latency_s"}
+
+
+def calibration_path() -> str:
+    """Where `python -m zerolab.predict calibrate` writes this machine's figures (and `cpu` reads them)."""
+    return os.environ.get("ZEROLAB_CPU_CALIBRATION",
+                          os.path.join(os.path.expanduser("~"), ".cache", "zerolab", "cpu-calibration.json"))
+
+
+def cpu_device(ranks: int, path: str = "") -> Device:
+    """This machine as `ranks` ranks sharing it see it, from the calibration file (the entry measured
+    with that many ranks running at once, else the nearest below)."""
+    path = path or calibration_path()
+    if not os.path.exists(path):
+        raise ConfigError(f"--hardware cpu needs this machine's figures: run `python -m zerolab.predict calibrate` "
+                          f"first (it writes {path}; ZEROLAB_CPU_CALIBRATION names another file)")
+    with open(path) as f:
+        cal = json.load(f)
+    have = sorted(int(n) for n in cal["ranks"])
+    n = max([k for k in have if k <= ranks] or have[:1])
+    c = cal["ranks"][str(n)]
+    return Device("cpu", f"this machine's CPU, {n} rank(s) at once ({cal.get('machine', '')})",
+                  {"fp32": c["matmul_fp32"], "bf16": c.get("matmul_bf16", c["matmul_fp32"])},
+                  c["memory_bandwidth"], cal.get("memory", 0),
+                  f"measured here by python -m zerolab.predict calibrate, {cal.get('date', '?')} ({path})",
+                  achievable=1.0, op_overhead_s=c["op_overhead_s"], host_sync=True, gloo=c.get("gloo", {}),
+                  kernel_flops={name: c["attention_fp32"] for name in ATTENTION_KERNELS})
+
+
+def device(name: str, ranks_per_host: int = 1) -> Device:
+    if name == "cpu":
+        return cpu_device(ranks_per_host)
+    if name not in DEVICES:
+        raise ConfigError(f"unknown hardware {name!r}; known: {', '.join([*DEVICES, 'cpu'])} "
+                          f"(or give the figures with --hw, e.g. --hardware h100 --hw memory_bandwidth=2.4e12)")
+    return DEVICES[name]
+
+
+def link(name: str) -> Link:
+    if name not in LINKS:
+        raise ConfigError(f"unknown link {name!r}; known: {', '.join(LINKS)}")
+    return LINKS[name]
+
+
+def apply_overrides(dev: Device, intra: Link, inter: Link, items: list[str]) -> tuple[Device, Link, Link]:
+    """`KEY=VALUE` overrides (OVERRIDES' keys) on a device and its links."""
+    for item in items:
+        key, _, value = item.partition("=")
+        if key not in OVERRIDES or not value:
+            raise ConfigError(f"--hw {item!r}: give KEY=VALUE with KEY one of {', '.join(OVERRIDES)}")
+        try:
+            number = float(value) * (1e-6 if key.endswith("_us") else 1.0)
+        except ValueError:
+            raise ConfigError(f"--hw {item!r}: {value!r} is not a number") from None
+        if number < 0 or (key == "achievable" and not 0 < number <= 1):
+            raise ConfigError(f"--hw {item!r}: must be positive (achievable: in (0, 1])")
+        target, _, attr = OVERRIDES[key].partition(".")
+        if target == "flops":
+            dev = dataclasses.replace(dev, flops={**dev.flops, attr: number})
+        elif target in ("intra", "inter"):
+            changed = dataclasses.replace(intra if target == "intra" else inter, **{attr: number})
+            intra, inter = (changed, inter) if target == "intra" else (intra, changed)
+        else:
+            dev = dataclasses.replace(dev, **{target: int(number) if target == "memory" else number})
+    return dev, intra, inter

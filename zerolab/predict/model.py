@@ -1,0 +1,106 @@
+"""The time model: a recorded step priced on named hardware (a prediction, not a measurement).
+
+Each op costs its roofline, max(FLOPs / (achievable x peak FLOP/s of its dtype), bytes /
+(achievable x memory bandwidth)), plus the device's per-kernel overhead (calibrated on a CPU;
+none on a GPU, whose host runs ahead). Each collective costs its algorithm's time on the links of
+its group (zerolab.predict.topology). The timeline (zerolab.predict.timeline) overlaps them as the
+strategy scheduled them. Out come the four parts a profiled step reports, tokens/s per device,
+MFU (model FLOPs per token, zerolab.profile's convention, over the device's data-sheet peak), and
+the bytes and time of each collective kind on each link.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import asdict, dataclass, field
+
+from zerolab.predict.hardware import Device
+from zerolab.predict.record import Op, StepRecord
+from zerolab.predict.timeline import replay
+from zerolab.predict.topology import Topology
+
+NOT_MODELLED = ("not modelled: the host's own time on a GPU (it is assumed to run ahead of the device), "
+                "compute slowed by communication running beside it, kernels fused or tuned differently from the "
+                "CPU kernels the dry run dispatched, data loading")
+
+
+@dataclass
+class Prediction:
+    hardware: str
+    topology: str
+    world: int
+    dtype: str
+    step_s: float
+    parts: dict  # PARTS -> seconds
+    tokens_per_s_per_device: float
+    mfu: float
+    comm_s: float  # collectives' running time in the step (per group, one after another)
+    collectives: list = field(default_factory=list)  # per kind: count, bytes, per-link bytes and seconds, exposed
+    assumptions: list = field(default_factory=list)
+    unpriced: list = field(default_factory=list)  # (op, count, share of the step's predicted time)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def op_seconds(op: Op, dev: Device) -> float:
+    a = dev.achievable
+    compute = op.flops / (dev.kernel_flops.get(op.name) or dev.peak(op.dtype) * a) if op.flops else 0.0
+    return max(compute, op.bytes / (dev.memory_bandwidth * a)) + dev.op_overhead_s * op.kernels
+
+
+def predict(record: StepRecord, topo: Topology, tokens_per_rank: int, flops_per_token: float,
+            dtype: str) -> Prediction:
+    """The step of `record` (one rank's) on `topo`'s device and links."""
+    dev = topo.device
+    priced = {c.index: topo.price(c.kind, c.bytes, c.ranks) for c in record.collectives}
+    r = replay(record, lambda op: op_seconds(op, dev), lambda c: priced[c.index].seconds, streams=not dev.host_sync)
+    per_device = tokens_per_rank / r.step_s if r.step_s > 0 else 0.0
+    mfu = per_device * flops_per_token / dev.peak(dtype) if dev.peak(dtype) else 0.0
+    return Prediction(dev.name, topo.describe(), topo.world, dtype, r.step_s, r.parts, per_device, mfu, r.comm_s,
+                      _collectives(record, priced, topo, r.exposed_by_kind), assumptions(dev, topo, dtype),
+                      _unpriced(record, dev, r.step_s))
+
+
+def _collectives(record: StepRecord, priced: dict, topo: Topology, exposed: dict) -> list[dict]:
+    rows: dict = defaultdict(lambda: {"count": 0, "bytes": 0, "intra_bytes": 0.0, "inter_bytes": 0.0,
+                                      "seconds": 0.0, "intra_s": 0.0, "inter_s": 0.0, "algorithms": set()})
+    for c in record.collectives:
+        p, row = priced[c.index], rows[c.kind]
+        row["count"] += 1
+        row["bytes"] += c.bytes
+        row["intra_bytes"] += p.intra_bytes
+        row["inter_bytes"] += p.inter_bytes
+        row["seconds"] += p.seconds
+        if not topo.device.host_sync:
+            row["intra_s"] += topo.data_seconds(p.intra_bytes, 0.0)
+            row["inter_s"] += topo.data_seconds(0.0, p.inter_bytes)
+        row["algorithms"].add(p.algorithm)
+    return [{"kind": k, **v, "algorithms": sorted(v["algorithms"]), "exposed_s": exposed.get(k, 0.0)}
+            for k, v in rows.items()]
+
+
+def _unpriced(record: StepRecord, dev: Device, step_s: float) -> list:
+    """Ops without a FLOP formula that are not memory-bound by nature: priced by their bytes (named)."""
+    time_of: dict = defaultdict(float)
+    for e in record.events:
+        if isinstance(e, Op) and not e.priced:
+            time_of[e.name] += op_seconds(e, dev)
+    return [(name, n, time_of[name] / step_s if step_s else 0.0) for name, n in record.unpriced.most_common()]
+
+
+def assumptions(dev: Device, topo: Topology, dtype: str) -> list[str]:
+    a = dev.achievable
+    out = [f"device: {dev.label}: {dev.peak(dtype) / 1e12:g} TFLOP/s {dtype} peak, "
+           f"{dev.memory_bandwidth / 1e9:g} GB/s memory ({dev.source})",
+           f"achievable: x{a:g} of every peak" + (" (GPU factor, fitted on one published run: docs/predict.md)"
+                                                   if not dev.host_sync else " (measured figures)"),
+           "each op: max(FLOPs / FLOP/s, bytes / bandwidth)" + (f" + {dev.op_overhead_s * 1e6:.1f} us per kernel"
+                                                               if dev.op_overhead_s else ""),
+           f"links: {topo.describe()}",
+           ("overlap: one timeline on the host; a collective runs on gloo's threads from its issue to its wait"
+            if dev.host_sync else "overlap: the strategy's streams (compute; each process group's collectives one "
+                                  "after another); a collective is hidden by compute issued after it and before its "
+                                  "wait"),
+           NOT_MODELLED]
+    return out
+

@@ -1,0 +1,145 @@
+"""What one dispatched op costs: its FLOPs (a formula) and the bytes it reads and writes (its tensors).
+
+FLOPs come from torch.utils.flop_counter's formulas (matmuls, convolutions, attention), which take
+shapes and so count fake tensors as well as real ones, plus two of zerolab's own for the kernels a
+CPU dry run dispatches to and torch has no formula for: the CPU flash attention forward and
+backward (the formulas are torch's SDPA counts, applied to these ops' arguments). A causal
+attention does half the work of a full one (a flash kernel skips the masked tiles), so its FLOPs
+are halved here; MFU still counts the full product (the convention, zerolab.profile.flops).
+
+Bytes: every input tensor is read once and every tensor the op writes (a fresh output, or an
+argument it mutates) is written once, at its own size (an expanded view counts its storage, not
+its broadcast size). An op whose outputs are views of its inputs (view, transpose, detach,
+_unsafe_view) moves nothing and costs nothing; so do allocations (empty).
+
+An op without a FLOP formula is priced by its bytes alone (memory-bound). That is what an
+elementwise op, a reduction, a copy or an optimizer's foreach kernel is; for any other op
+without a formula (a softmax, a norm, an embedding's backward, a kernel of the user's) the record
+keeps its name, and the prediction prints them (`unpriced`), so nothing costs zero silently.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+from torch.utils import flop_counter as fc
+from torch.utils._pytree import tree_leaves
+
+aten = torch.ops.aten
+_CPU_FLASH = aten._scaled_dot_product_flash_attention_for_cpu
+_CPU_FLASH_BACKWARD = aten._scaled_dot_product_flash_attention_for_cpu_backward
+FREE = {aten.empty, aten.empty_strided, aten.empty_like, aten.new_empty, aten.new_empty_strided, aten.lift_fresh,
+        aten.resize_, aten.set_, aten.alias}
+# Ops that are memory-bound by nature: priced by their bytes without a note.
+_MEMORY_BOUND_PREFIXES = ("_foreach_", "_fused_", "copy", "_to_copy", "clone", "cat", "stack", "zero", "fill",
+                          "split", "index", "embedding", "ones", "full", "rand", "arange", "scatter", "gather",
+                          "where", "masked_fill", "_local_scalar_dense", "constant_pad", "flip", "roll", "narrow",
+                          "chunk_cat", "native_layer_norm", "layer_norm", "_fused_rms_norm", "rms_norm",
+                          "_log_softmax", "_softmax", "nll_loss", "native_dropout", "linalg_vector_norm", "norm",
+                          "dot", "vdot", "cumsum", "sort", "topk", "max", "min")
+
+
+def _cpu_flash(query, key, value, *_args, **_kwargs) -> int:
+    return fc.sdpa_flop_count(query, key, value)
+
+
+def _cpu_flash_backward(grad_out, query, key, value, *_args, **_kwargs) -> int:
+    return fc.sdpa_backward_flop_count(grad_out, query, key, value)
+
+
+FORMULAS = {**fc.flop_registry,
+            _CPU_FLASH: fc.shape_wrapper(_cpu_flash),
+            _CPU_FLASH_BACKWARD: fc.shape_wrapper(_cpu_flash_backward)}
+
+
+@dataclass(frozen=True)
+class _Schema:
+    """What an op's schema says about its arguments and results, read once per op."""
+    mutated: tuple  # (position, name) of each argument it writes
+    fresh: tuple  # per result: True when it is a new tensor (not an alias of an input)
+    causal: tuple  # (position, name) of an is_causal argument, if any
+
+
+@functools.lru_cache(maxsize=None)
+def _schema(func) -> _Schema:
+    s = func._schema
+    mutated = tuple((i, a.name) for i, a in enumerate(s.arguments)
+                    if a.alias_info is not None and a.alias_info.is_write)
+    fresh = tuple(r.alias_info is None for r in s.returns)
+    causal = tuple((i, a.name) for i, a in enumerate(s.arguments) if a.name == "is_causal")
+    return _Schema(mutated, fresh, causal)
+
+
+def _arg(args, kwargs, position: int, name: str):
+    return args[position] if position < len(args) else kwargs.get(name)
+
+
+def local(t):
+    """A DTensor's local shard (what this rank computes on and moves), else the tensor itself."""
+    inner = getattr(t, "_local_tensor", None)
+    return inner if inner is not None else t
+
+
+def tensor_bytes(t) -> int:
+    """Bytes a kernel touches for tensor `t`: its elements, at most its storage (expanded views)."""
+    t = local(t)
+    if not isinstance(t, torch.Tensor):
+        return 0
+    n = t.numel() * t.element_size()
+    try:
+        return min(n, t.untyped_storage().nbytes())
+    except (RuntimeError, NotImplementedError):  # a tensor without storage (a functional wrapper)
+        return n
+
+
+def _storages(leaves) -> set:
+    out = set()
+    for t in leaves:
+        t = local(t)
+        if isinstance(t, torch.Tensor):
+            try:
+                out.add(t.untyped_storage()._cdata)
+            except (RuntimeError, NotImplementedError):
+                pass
+    return out
+
+
+def memory_bound(func) -> bool:
+    """Whether an op without a FLOP formula is memory-bound by its nature (no note needed)."""
+    tags = getattr(func, "tags", ())
+    if torch.Tag.pointwise in tags or torch.Tag.reduction in tags:
+        return True
+    base = func._overloadpacket.__name__.split(".")[-1]
+    return base.startswith(_MEMORY_BOUND_PREFIXES) or base.lstrip("_").startswith(_MEMORY_BOUND_PREFIXES)
+
+
+DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+def cost(func, args, kwargs, out) -> tuple[float, int, int, bool, str]:
+    """(FLOPs, bytes read + written, kernels, has a FLOP formula, compute dtype) of one op on its
+    real arguments. Kernels: a foreach op over n tensors is n kernels on a CPU (its per-op overhead
+    n times); 0 for an op that costs nothing."""
+    packet = func._overloadpacket
+    if packet in FREE:
+        return 0.0, 0, 0, True, ""
+    sch = _schema(func)
+    ins = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+    outs = [o for o, new in zip(out if isinstance(out, (tuple, list)) else (out,), sch.fresh) if new]
+    out_leaves = [t for t in tree_leaves(outs) if isinstance(t, torch.Tensor)]
+    mutated = [t for i, n in sch.mutated for t in tree_leaves(_arg(args, kwargs, i, n)) if isinstance(t, torch.Tensor)]
+    if not mutated and (not out_leaves or _storages(out_leaves) <= _storages(ins)):
+        return 0.0, 0, 0, True, ""  # views (declared, or sharing their input's storage): nothing moves
+    moved = sum(map(tensor_bytes, ins)) + sum(map(tensor_bytes, out_leaves)) + sum(map(tensor_bytes, mutated))
+    first = args[0] if args else None
+    kernels = len(first) if isinstance(first, (list, tuple)) and first and isinstance(first[0], torch.Tensor) else 1
+    formula = FORMULAS.get(packet)
+    if formula is None:
+        return 0.0, moved, kernels, False, ""
+    la, lk = [local(a) for a in args], {k: local(v) for k, v in kwargs.items()}
+    flops = float(formula(*la, **lk, out_val=out))
+    if any(_arg(args, kwargs, i, n) for i, n in sch.causal):
+        flops /= 2  # a flash kernel skips the masked half (module docstring)
+    dtype = next((DTYPES.get(local(t).dtype, "fp32") for t in ins if local(t).is_floating_point()), "fp32")
+    return flops, moved, kernels, True, dtype
