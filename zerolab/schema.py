@@ -129,6 +129,10 @@ class ZeroSettings(BucketSettings):
     # the dtype gradients are reduce-scattered in: auto (= gradient dtype) | fp32; zero3 also keeps
     # its gradient shard in it (16-bit under bf16/fp16 with auto)
     reduce_dtype: str = "auto"
+    # who shares a shard (docs/nodes.md): world (every rank: the ZeRO paper's 1/N) | node (the ranks
+    # of one node, replicated on every node: FSDP2's HSDP for zero3, the same for zero1/2's optimizer
+    # state; gradient shards are all-reduced across nodes once per step)
+    shard_within: str = "world"
 
 
 @dataclass
@@ -137,6 +141,14 @@ class Zero3Settings(ZeroSettings):
     # (3Ψ(N-1)/N sent per rank per micro-batch, one unit's weights alive at a time); false keeps
     # them from forward until the unit's backward is done (2Ψ(N-1)/N, more memory)
     reshard_after_forward: bool = True
+    # ZeRO++ (Wang et al. 2023; docs/nodes.md). hpz: a secondary copy of the weights, sharded inside
+    # each node, taken after the forward all-gather; the backward all-gathers it over the node
+    hpz: bool = False
+    # qwZ: all-gather weights as int8 blocks (one fp32 scale per strategy.quant_block elements)
+    quantize_weights: bool = False
+    # qgZ: reduce-scatter gradients as int4 blocks through an all-to-all inside the node, then across
+    quantize_grads: bool = False
+    quant_block: int = 256  # elements per quantization block (even: int4 packs two per byte)
 
 
 @dataclass
@@ -157,6 +169,9 @@ STRATEGY_SETTINGS = (StrategySettings, BucketSettings, DDPSettings, ZeroSettings
 
 def settings_for(section: Any, settings: type) -> Any:
     """The fields of `settings` (a strategy's dataclass) taken from a config's strategy section."""
+    if settings not in STRATEGY_SETTINGS:  # a strategy's settings are the schema's, so sweeps and checks see them
+        raise TypeError(f"{settings.__name__} is not one of zerolab.schema's strategy settings: add its fields to "
+                        "a dataclass there, in StrategyConfig's bases and in STRATEGY_SETTINGS")
     return settings(**{f.name: getattr(section, f.name) for f in dataclasses.fields(settings)})
 
 

@@ -36,6 +36,10 @@ the model's parameters (which are views into per-bucket flat buffers).
 Collectives are launched in one fixed bucket order on every rank (a bucket waits for the ones
 before it), and buckets whose parameters got no gradient are flushed with zeros at the end of
 backward, so unused parameters can neither hang nor misalign the reductions.
+
+Across nodes (strategy.shard_within=node, zero_hierarchy.py): "N chunks" above become the n ranks
+of a node, whose group runs the reduce-scatters and all-gathers; each node holds a replica of the
+shards, and the gradient shard is averaged across the replicas by one all-reduce per step.
 """
 from __future__ import annotations
 
@@ -48,24 +52,25 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from zerolab.buckets import MAX_IN_FLIGHT, bucket_cap, pack_buckets, zero_buckets
-from zerolab.accounting import StorageCounter, dtype_name, fmt_n, state_bytes
+from zerolab.buckets import MAX_IN_FLIGHT, bucket_cap, pack_buckets
+from zerolab.accounting import StorageCounter
 from zerolab.models import place
 from zerolab.optim.segments import Segment
-from zerolab.precision import COMPUTE_BYTES
 from zerolab.numerics import StepInfo
 from zerolab.schema import ZeroSettings
 from zerolab.strategies.base import OptimizerFactory, Strategy, Traits, set_lr
 from zerolab.strategies.zero_checkpoint import ZeroPieces
+from zerolab.strategies.zero_hierarchy import check_node_settings, layout_for, shards_for
+from zerolab.strategies.zero_memory import predict_zero12
 
 
 @dataclass
 class Bucket:
     group: int  # param group index
     params: list  # [(param, tensor index in group, offset in bucket)]
-    size: int  # padded to a multiple of N
+    size: int  # padded to a multiple of the shards
     shard_pos: int  # where this bucket's chunk sits in its piece of the rank's group shard
-    world: int  # N: the bucket is N chunks of `chunk` elements
+    shards: int  # the bucket is `shards` chunks of `chunk` elements (N, or a node's ranks: zero_hierarchy.py)
     piece: int = 0  # which flat piece of the group's shard holds its chunk (zero1/2: one per bucket; zero3: one)
     flat_params: Optional[torch.Tensor] = None  # compute-dtype buffer the params view into
     flat_grads: Optional[torch.Tensor] = None  # zero1: gradient buffer the grads view into
@@ -74,7 +79,7 @@ class Bucket:
 
     @property
     def chunk(self) -> int:
-        return self.size // self.world
+        return self.size // self.shards
 
 
 @dataclass
@@ -135,6 +140,11 @@ class ZeroStrategy(ZeroPieces, Strategy):
         self.model, self.world, self.rank = model, self.ctx.world_size, self.ctx.rank
         for p in model.parameters():  # every rank starts from rank 0's weights
             dist.broadcast(p.data, src=0)
+        # who shares a shard and which groups the collectives use (zero_hierarchy.py): by default
+        # every rank (group None), self.shards = N and this rank owns chunk self.rank of every bucket
+        self.layout = layout_for(self.ctx, self.settings)
+        self.shards, self.shard_rank, self.shard_group = self.layout.shards, self.layout.shard_rank, \
+            self.layout.shard_group
         self.reduce_dtype = torch.float32 if self.settings.reduce_dtype == "fp32" else self.precision.compute_dtype
         # The shard the optimizer updates: fp32 master weights, except in bf16_pure, whose point
         # is to update the 16-bit weights themselves (the owned chunk, then all-gathered). Where
@@ -156,8 +166,8 @@ class ZeroStrategy(ZeroPieces, Strategy):
             for p, ti in members:
                 offsets.append((p, ti, total))
                 total += p.numel()
-            size = -(-total // self.world) * self.world
-            b = Bucket(group=gi, params=offsets, size=size, shard_pos=0, world=self.world,
+            size = -(-total // self.shards) * self.shards
+            b = Bucket(group=gi, params=offsets, size=size, shard_pos=0, shards=self.shards,
                        piece=len(self.piece_sizes[gi]))
             self.piece_sizes[gi].append(b.chunk)
             self._flatten_params(b)
@@ -182,7 +192,7 @@ class ZeroStrategy(ZeroPieces, Strategy):
         groups = [FlatGroup([None] * len(sizes), names=list(g["names"]))
                   for sizes, g in zip(self.piece_sizes, param_groups)]
         for b in self.buckets:
-            lo, hi = self.rank * b.chunk, (self.rank + 1) * b.chunk
+            lo, hi = self.shard_rank * b.chunk, (self.shard_rank + 1) * b.chunk
             fg = groups[b.group]
             if self.shard_is_weights:  # the owned chunk of the weights is the shard (shares their storage)
                 fg.pieces[b.piece] = nn.Parameter(b.flat_params[lo:hi])
@@ -199,7 +209,7 @@ class ZeroStrategy(ZeroPieces, Strategy):
         for b in self.buckets:
             piece = groups[b.group].pieces[b.piece]
             if self.traits.stage == 1 and self.shard_is_weights:  # zero1's whole gradient holds the reduced chunk
-                piece.grad = b.flat_grads[self.rank * b.chunk:(self.rank + 1) * b.chunk]
+                piece.grad = b.flat_grads[self.shard_rank * b.chunk:(self.shard_rank + 1) * b.chunk]
             elif piece.grad is None:
                 piece.grad = torch.zeros_like(piece)
         return groups
@@ -279,8 +289,8 @@ class ZeroStrategy(ZeroPieces, Strategy):
             buf = b.comm_buf  # already averaged by _grad_ready
         out = torch.empty(b.chunk, dtype=buf.dtype, device=buf.device)
         self.transient.alloc(out.untyped_storage().nbytes(), "backward")
-        self.comm.record("reduce_scatter", buf)
-        work = dist.reduce_scatter_single(out, buf, async_op=True)
+        self.comm.record("reduce_scatter", buf, group=self.shard_group)
+        work = dist.reduce_scatter_single(out, buf, group=self.shard_group, async_op=True)
         self.pending.append((work, out, b, buf))
 
     def _drain(self, block: bool = True) -> None:
@@ -312,6 +322,7 @@ class ZeroStrategy(ZeroPieces, Strategy):
     def step(self, lr: float, stats_level: int = 0) -> StepInfo:
         set_lr(self.optimizer, lr)
         self._drain()
+        self._average_replicas(self._shard_grads())
         info = self._update(self._shard_grads(), stats_level)
         if not info.known_skipped:
             self._all_gather_params(wait=False)  # completes behind the next forward
@@ -334,8 +345,9 @@ class ZeroStrategy(ZeroPieces, Strategy):
             if chunk.dtype != self.shard_dtype:  # a 16-bit copy, alive until waited for
                 self._gather_input_bytes[i] = chunk.untyped_storage().nbytes()
                 self.transient.alloc(self._gather_input_bytes[i], "step")
-            self.comm.record("all_gather", b.flat_params)
-            self.gathers[i] = (dist.all_gather_single(b.flat_params, chunk, async_op=True), chunk)
+            self.comm.record("all_gather", b.flat_params, group=self.shard_group)
+            self.gathers[i] = (dist.all_gather_single(b.flat_params, chunk, group=self.shard_group, async_op=True),
+                               chunk, None)
         if wait:
             self._wait_gathers()
 
@@ -344,11 +356,39 @@ class ZeroStrategy(ZeroPieces, Strategy):
         self._all_gather_params()  # every chunk is written
 
     def _wait_gathers(self, indices=None) -> None:
+        """Wait for all-gathers in flight: (work, input kept alive, what finishes it or None)."""
         for i in (list(self.gathers) if indices is None else indices):
             entry = self.gathers.pop(i, None)
             if entry is not None:
-                entry[0].wait()
+                work, _, finish = entry
+                work.wait()
+                if finish is not None:  # zero3's quantized all-gather: dequantize
+                    finish()
                 self.transient.free(self._gather_input_bytes.pop(i, 0))
+
+    # ---- across nodes (zero_hierarchy.py) -------------------------------------------------------
+    def _average_replicas(self, grads: list[torch.Tensor]) -> None:
+        """strategy.shard_within=node: each node reduced its own ranks' gradients into its shards;
+        one all-reduce per gradient shard over the ranks holding it (one per node) completes the
+        sum over every rank (the buckets were already divided by N). In place, all in flight at once."""
+        group = self.layout.replica_group
+        if group is None:
+            return
+        works = []
+        for g in grads:
+            self.comm.record("all_reduce", g, group=group)
+            works.append(dist.all_reduce(g, group=group, async_op=True))
+        for work in works:
+            work.wait()
+
+    def _all_reduce(self, t: torch.Tensor) -> None:
+        """Partial sums over this rank's shard (the clip norm, LAMB's per-tensor norms, update ratios)
+        complete over the ranks that share the shards: every rank, or the node's under HSDP (the
+        other nodes hold the same shards: summing them too would count every element once per node)."""
+        if self.shard_group is None:
+            return super()._all_reduce(t)
+        self.comm.record("all_reduce", t, group=self.shard_group)
+        dist.all_reduce(t, group=self.shard_group)
 
     # ---- introspection ------------------------------------------------------------------------
     def _describe_nonfinite(self) -> str:
@@ -369,65 +409,18 @@ class ZeroStrategy(ZeroPieces, Strategy):
 
     # ---- memory prediction (zerolab.memory asks it; Strategy.predict_memory says how) ----------
     @classmethod
-    def predict_memory(cls, p, shape, *, world, precision, k, bucket_mb, reduce_dtype, **_) -> None:
-        """Every bucket is padded to a multiple of N and rank r owns chunk r of each; the shard the
-        optimizer updates, its gradient and the optimizer state exist for the owned chunks only.
-        The shard is an fp32 master copy in mixed precision and a view of the weights where they
-        are in the dtype it updates (fp32, bf16_pure), as is zero1's gradient shard then. Measured
-        at the end of a step (as memory() sees it)."""
-        n, c, dt, N = shape.n_params, COMPUTE_BYTES[precision], dtype_name(precision), world
-        sizes = zero_buckets(shape, N, c, bucket_mb)
-        padded, shard = sum(sizes), sum(sizes) // N
-        pad = padded - n
-        s = state_bytes(precision)  # the shard's bytes per element: fp32, or bf16 in bf16_pure
-        sd = "bf16" if s == 2 else "fp32"
-        view = s == c  # the shard is the weights' own owned chunk (fp32 training, bf16_pure)
-        p.add("params", n * c, f"{dt} weights, whole, views into per-bucket flat buffers: Ψ × {c}")
-        if pad:
-            p.add("params", pad * c, f"padding of {len(sizes)} bucket(s) to multiples of N: {fmt_n(pad)} × {c}")
-        if cls.traits.stage == 1:
-            p.add("grads", padded * c, f"{dt} gradients, whole, views into per-bucket flat buffers "
-                                       f"(kept between steps): {fmt_n(padded)} × {c}"
-                                       + (" (the owned chunks are the gradient shard)" if view else ""))
-        if not (cls.traits.stage == 1 and view):
-            p.add("grads", shard * s, f"{sd} gradient shard (the owned chunks): {fmt_n(shard)} × {s}")
-        if not view:
-            p.add("master", shard * s, f"fp32 master shard the optimizer updates: {fmt_n(shard)} × {s}")
-        p.add("optim_state", shard * k * s, f"optimizer state of the shard: {fmt_n(shard)} × {k:g} × {s}")
-        rb = 4 if reduce_dtype == "fp32" else c
-        if cls.traits.stage == 2:
-            # backward waits once more than MAX_IN_FLIGHT are in flight, i.e. after launching one more
-            p.add("transient", min(len(sizes), 2 + MAX_IN_FLIGHT) * max(sizes) * rb,
-                  "gradient buckets copied for reduce-scatter, freed as each finishes during backward "
-                  f"(at most MAX_IN_FLIGHT + 1 = {MAX_IN_FLIGHT + 1} in flight plus the one filling)")
-        elif rb != c:
-            p.add("transient", max(sizes) * rb, "fp32 copy of a bucket for reduce-scatter (strategy.reduce_dtype=fp32)")
-        in_flight = min(len(sizes), 1 + MAX_IN_FLIGHT)  # the drain runs after a launch past MAX_IN_FLIGHT
-        p.add("transient", in_flight * (max(sizes) // N) * rb,
-              f"reduce-scatter outputs (one chunk per bucket) of the {in_flight} bucket(s) in flight during backward")
-        if not view:  # fp32 and bf16_pure all-gather in place, from the weights' own chunk
-            p.add("transient", shard * c, f"{dt} copies of the owned chunks, the all-gather inputs of every bucket "
-                                          f"from the optimizer step to the next forward: {fmt_n(shard)} × {c}",
-                  when="step")
-        if shape.buffer_bytes:
-            p.add("buffers", shape.buffer_bytes, "model buffers")
-        paper = "4Ψ + KΨ/N" if cls.traits.stage == 1 else "2Ψ + (2 + K)Ψ/N"
-        why = []
-        if not view:
-            why.append(f"zerolab keeps an {sd} gradient shard ({s}Ψ/N) on top of the whole gradients (the paper "
-                       "reduces into them, no shard)" if cls.traits.stage == 1 else
-                       f"zerolab's gradient shard is {sd} ({s}Ψ/N) where the paper's is {c}-byte ({c}Ψ/N)")
-        if pad:
-            why.append("buckets are padded to multiples of N")
-        p.why = "; ".join(why)
-        if view:
-            p.notes.append(f"the shard the optimizer updates is a view of this rank's chunk of the {dt} weights (no "
-                           "master copy)" + (", and the gradient shard a view of its chunk of the whole gradients"
-                                             if cls.traits.stage == 1 else ""))
-        else:
-            p.notes.append(f"vs the paper ({paper} in mixed precision): the gradient shard is fp32 (4Ψ/N)"
-                           + (" on top of the whole 16-bit gradients" if cls.traits.stage == 1
-                              else " rather than 16-bit (2Ψ/N)"))
+    def predict_memory(cls, p, shape, *, world, precision, k, bucket_mb, reduce_dtype, ranks_per_node, settings,
+                       **_) -> None:
+        """zero_memory.predict_zero12: the owned chunks' shard, gradient and optimizer state, the
+        whole weights (and zero1's whole gradients), measured at the end of a step as memory() sees it."""
+        predict_zero12(p, shape, stage=cls.traits.stage, shards=shards_for(world, ranks_per_node, settings),
+                       precision=precision, k=k, bucket_mb=bucket_mb, reduce_dtype=reduce_dtype,
+                       hsdp=settings.get("shard_within") == "node" and ranks_per_node < world)
+
+    @classmethod
+    def check_config(cls, cfg, world_size: int) -> None:
+        super().check_config(cfg, world_size)
+        check_node_settings(cfg, world_size, cls.traits.stage)  # shard_within, ZeRO++ (zero_hierarchy.py)
 
 
 class Zero1Strategy(ZeroStrategy):

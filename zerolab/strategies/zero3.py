@@ -60,6 +60,15 @@ when the trainer measures memory, no unit is gathered: params = the persistent c
 
 Collectives are issued from hooks at the same points of the same graph on every rank, and every
 prefetch decision depends only on that history, so all ranks issue them in one order.
+
+Across nodes (zero_hierarchy.py, docs/nodes.md). strategy.shard_within=node is HSDP: the chunks
+are cut over a node's ranks, the gathers and reduce-scatters run over the node, the gradient
+shard is all-reduced across nodes once per step (zero.py). ZeRO++ (Wang et al. 2023) keeps the
+world-wide chunks: strategy.hpz=true copies, after each forward all-gather, this rank's 1/n of
+every gathered bucket (n ranks per node) into a secondary copy, and the backward all-gathers that
+copy over the node instead of the primary chunks over every rank: the same values (bitwise
+zero3), no cross-node byte. quantize_weights / quantize_grads send the primary all-gathers as
+int8 blocks and the reduce-scatter as int4 blocks through a two-hop all-to-all (quantize.py).
 """
 from __future__ import annotations
 
@@ -73,33 +82,16 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from zerolab.buckets import MAX_IN_FLIGHT, bucket_cap, pack_buckets
-from zerolab.accounting import MIXED, StorageCounter, dtype_name, fmt_n, state_bytes
+from zerolab.buckets import bucket_cap
+from zerolab.accounting import StorageCounter
 from zerolab.models import block_of_parameters, find_blocks
 from zerolab.models.recompute import tensors_in
-from zerolab.precision import COMPUTE_BYTES
 from zerolab.schema import Zero3Settings
 from zerolab.strategies.base import OptimizerFactory, set_lr
+from zerolab.strategies.quantize import Done, gather_quantized, reduce_scatter_quantized
 from zerolab.strategies.zero import Bucket, ZeroStrategy
-
-MAX_LIVE_BUCKETS = 12  # gathered or in-flight buckets above which no unit is prefetched
-
-
-def pack_units(tensors: list[tuple[int, int, int]], cap: int, world: int) -> list[tuple[int, int, list[int], int]]:
-    """Buckets of zero3: `tensors` lists (param group, numel, unit) in unit order (root = unit 0,
-    then the blocks), registration order within a unit. Each unit is packed alone by zero.py's
-    rule (pack_buckets), last block first and the root last, and each bucket is padded to a
-    multiple of N. Returns (unit, group, tensor indices, padded size) per bucket, in launch order.
-    The sharder builds its buckets from this and the ledger predicts them from it."""
-    n_units = 1 + max((u for _, _, u in tensors), default=0)
-    out = []
-    for ui in [*range(n_units - 1, 0, -1), 0]:
-        index = [i for i, (_, _, u) in enumerate(tensors) if u == ui]
-        for gi, members in pack_buckets([(tensors[i][0], tensors[i][1]) for i in index], cap):
-            total = sum(tensors[index[m]][1] for m in members)
-            out.append((ui, gi, [index[m] for m in members], -(-total // world) * world))
-    return out
-
+from zerolab.strategies.zero_hierarchy import shards_for
+from zerolab.strategies.zero_memory import MAX_LIVE_BUCKETS, pack_units, predict_zero3
 
 @dataclass
 class Zero3Bucket(Bucket):
@@ -156,6 +148,9 @@ class Zero3Strategy(ZeroStrategy):
         self.gathers: dict[int, tuple] = {}  # all-gathers in flight: bucket index -> (work, input chunk)
         self._gather_input_bytes: dict[int, int] = {}  # zero.py's; stays empty: the inputs are the persistent chunks
         self.live: set[int] = set()  # buckets whose full buffer exists (gathered or in flight)
+        self.in_backward = False  # between the first unit's backward gather and the end of backward
+        self.secondary = self._make_secondary()  # hpZ (module docstring); [] without it
+        self._weight_error: dict[int, torch.Tensor] = {}  # qwZ: bucket -> bound² on its ‖ŵ − w‖ (last gather)
         for unit in self.units:
             for p in unit.params:
                 p.register_post_accumulate_grad_hook(self._grad_ready)
@@ -193,12 +188,12 @@ class Zero3Strategy(ZeroStrategy):
         cap = bucket_cap(self.settings.bucket_mb, self.precision.compute_dtype.itemsize)
         shard_pos = [0] * len(param_groups)
         buckets = []
-        for ui, gi, members, size in pack_units(tensors, cap, self.world):
+        for ui, gi, members, size in pack_units(tensors, cap, self.shards):
             offsets, total = [], 0
             for m in members:
                 offsets.append((params[m], where[id(params[m])][1], total))
                 total += params[m].numel()
-            b = Zero3Bucket(group=gi, params=offsets, size=size, shard_pos=shard_pos[gi], world=self.world, unit=ui)
+            b = Zero3Bucket(group=gi, params=offsets, size=size, shard_pos=shard_pos[gi], shards=self.shards, unit=ui)
             shard_pos[gi] += b.chunk
             self._flatten_params(b)
             self.units[ui].buckets.append(len(buckets))
@@ -212,7 +207,8 @@ class Zero3Strategy(ZeroStrategy):
         return self.local[b.group][b.shard_pos:b.shard_pos + b.chunk]
 
     def _gather(self, unit: Unit) -> None:
-        """Start all-gathering the unit's buckets that are not already there (asynchronous)."""
+        """Start all-gathering the unit's buckets that are not already there (asynchronous): in
+        backward from hpZ's secondary copy over the node, else the primary chunks (int8 with qwZ)."""
         for i in unit.buckets:
             if i in self.live:
                 continue
@@ -220,10 +216,41 @@ class Zero3Strategy(ZeroStrategy):
             b.flat_params.untyped_storage().resize_(b.size * b.flat_params.element_size())
             # gathered weights are transient (peak accounting): forward or backward, until freed
             self.transient.alloc(b.size * b.flat_params.element_size(), "backward")
-            chunk = self._chunk(b)
-            self.comm.record("all_gather", b.flat_params)
-            self.gathers[i] = (dist.all_gather_single(b.flat_params, chunk, async_op=True), chunk)
+            if self.secondary and self.in_backward:
+                group, chunk = self.layout.local_group, self.secondary[i]
+            else:
+                group, chunk = self.shard_group, self._chunk(b)
+                if self.settings.quantize_weights:
+                    work, keep, finish = gather_quantized(b.flat_params, chunk, group, self.shards,
+                                                          self.settings.quant_block, self.comm, self.transient)
+                    self.gathers[i] = (work, keep,
+                                       lambda i=i, finish=finish: self._weight_error.__setitem__(i, finish()))
+                    self.live.add(i)
+                    continue
+            self.comm.record("all_gather", b.flat_params, group=group)
+            self.gathers[i] = (dist.all_gather_single(b.flat_params, chunk, group=group, async_op=True), chunk, None)
             self.live.add(i)
+
+    def _make_secondary(self) -> list[torch.Tensor]:
+        """hpZ: one compute-dtype buffer of 1/per_node of every bucket, a view per bucket."""
+        if not self.settings.hpz:
+            return []
+        n = self.layout.per_node
+        flat = torch.zeros(sum(b.size for b in self.buckets) // n, dtype=self.precision.compute_dtype,
+                           device=self.ctx.device)
+        views, at = [], 0
+        for b in self.buckets:
+            views.append(flat[at:at + b.size // n])
+            at += b.size // n
+        return views
+
+    def _keep_secondary(self, unit: Unit) -> None:
+        """hpZ: after the forward all-gather, this rank's 1/n of each of the unit's buckets (what the
+        node's all-gather in backward hands back to every rank of the node)."""
+        lo = self.layout.local_rank
+        for i in unit.buckets:
+            part = self.secondary[i]
+            part.copy_(self.buckets[i].flat_params[lo * part.numel():(lo + 1) * part.numel()])
 
     def _free_bucket(self, i: int) -> None:
         self._wait_gathers([i])  # never take memory from under a collective still writing it
@@ -256,6 +283,8 @@ class Zero3Strategy(ZeroStrategy):
         self._gather(unit)
         self._prefetch(index + 1 if index + 1 < len(self.units) else None)
         self._wait_gathers(unit.buckets)
+        if self.secondary and torch.is_grad_enabled() and not self.in_backward:  # (not a recompute in backward)
+            self._keep_secondary(unit)
 
     def _after_forward(self, index: int, output) -> None:
         unit = self.units[index]
@@ -269,6 +298,7 @@ class Zero3Strategy(ZeroStrategy):
 
     def _before_backward(self, index: int) -> None:
         unit = self.units[index]
+        self.in_backward = True
         self._gather(unit)
         self._prefetch(self._next_in_backward(index))
         self._wait_gathers(unit.buckets)
@@ -285,9 +315,23 @@ class Zero3Strategy(ZeroStrategy):
 
     def backward(self, loss: torch.Tensor) -> None:
         super().backward(loss)  # zero.py: backward, flush the buckets, collect the reductions
+        self.in_backward = False
         for unit in self.units:  # units with unused parameters never completed: free them here
             self._free(unit)
             unit.arrived = 0
+
+    def _reduce_scatter(self, b: Bucket) -> None:
+        """qgZ replaces zero.py's reduce-scatter by quantize.py's two all-to-all hops, done in place
+        (queued as finished, so zero.py's drain adds the chunk to the gradient shard in order)."""
+        if not self.settings.quantize_grads:
+            return super()._reduce_scatter(b)
+        if b.comm_buf is None:  # no parameter of this bucket got a gradient
+            b.comm_buf = torch.zeros(b.size, dtype=self.reduce_dtype, device=self.ctx.device)
+            self.transient.alloc(b.comm_buf.untyped_storage().nbytes(), "backward")
+        out = torch.empty(b.chunk, dtype=b.comm_buf.dtype, device=b.comm_buf.device)
+        self.transient.alloc(out.untyped_storage().nbytes(), "backward")
+        reduce_scatter_quantized(out, b.comm_buf, self.layout, self.settings.quant_block, self.comm, self.transient)
+        self.pending.append((Done(), out, b, b.comm_buf))
 
     def _grad_chunk(self, b: Bucket) -> torch.Tensor:
         return self.grad_shards[b.group][b.shard_pos:b.shard_pos + b.chunk]
@@ -296,12 +340,15 @@ class Zero3Strategy(ZeroStrategy):
     def step(self, lr: float, stats_level: int = 0):
         set_lr(self.optimizer, lr)
         self._drain()
+        self._average_replicas(self.grad_shards)  # HSDP: across nodes (zero.py)
         with self._fp32_grads():
             info = self._update([g.master.grad for g in self.groups], stats_level)
         if not info.known_skipped:
             self._refresh_local()  # the next forward all-gathers the new weights: no all-gather here
         for shard in self.grad_shards:
             shard.zero_()
+        if stats_level and self._weight_error:  # qwZ, a logged step: the loss band's forward term (docs/nodes.md)
+            info.extra["qwz_weight_error_bound"] = math.sqrt(sum(self._weight_error.values()).item())
         return info
 
     @contextmanager
@@ -338,7 +385,7 @@ class Zero3Strategy(ZeroStrategy):
         shard the optimizer updates, counted once, as params, and master is 0."""
         self._wait_gathers()
         c = StorageCounter()
-        c.add("params", self.local).add("params", (b.flat_params for b in self.buckets))
+        c.add("params", self.local).add("params", (b.flat_params for b in self.buckets)).add("params", self.secondary)
         c.add("grads", self.grad_shards)
         c.add("master", (g.master for g in self.groups)).add_optimizer(self.optimizer)
         c.add("buffers", (b.comm_buf for b in self.buckets)).add("buffers", self.model.buffers())
@@ -349,48 +396,18 @@ class Zero3Strategy(ZeroStrategy):
         self._refresh_local()
 
     # ---- memory prediction (zerolab.memory asks it; Strategy.predict_memory says how) ----------
+    @classmethod
+    def predict_memory(cls, p, shape, *, world, precision, k, bucket_mb, reduce_dtype, ranks_per_node, settings,
+                       **_) -> None:
+        """zero_memory.predict_zero3: the persistent chunks and shards packed unit by unit, hpZ's
+        secondary copy, the quantized collectives' buffers."""
+        predict_zero3(p, shape, shards=shards_for(world, ranks_per_node, settings), per_node=ranks_per_node,
+                      precision=precision, k=k, bucket_mb=bucket_mb, reduce_dtype=reduce_dtype, settings=settings)
 
     @classmethod
-    def predict_memory(cls, p, shape, *, world, precision, k, bucket_mb, reduce_dtype, **_) -> None:
-        """What memory() measures between steps: the persistent chunks and the fp32 shards of every
-        bucket, packed unit by unit (pack_units) and padded to multiples of N."""
-        n, c, dt, N = shape.n_params, COMPUTE_BYTES[precision], dtype_name(precision), world
-        tensors = [(g, math.prod(s_), shape.block_of(i) + 1) for i, (g, s_) in enumerate(shape.tensors)]
-        sizes = [size for _, _, _, size in pack_units(tensors, bucket_cap(bucket_mb, c), N)]
-        shard = sum(sizes) // N
-        s = state_bytes(precision)  # bf16_pure updates a bf16 shard: no fp32 anywhere
-        rb = 4 if reduce_dtype == "fp32" else c
-        gb = rb if precision in MIXED else s  # the gradient shard is kept in the reduce dtype
-        p.add("params", shard * c, f"{dt} weights: this rank's chunk of every bucket, the only persistent copy: "
-                                   f"{fmt_n(shard)} × {c}" + (" (it is the shard the optimizer updates)"
-                                                              if precision not in MIXED else ""))
-        p.add("grads", shard * gb, f"gradient shard in the reduce dtype (reduce-scattered into): {fmt_n(shard)} × {gb}")
-        if precision in MIXED:
-            p.add("master", shard * 4, f"fp32 master shard the optimizer updates: {fmt_n(shard)} × 4")
-        if gb != s:
-            p.add("transient", shard * s, f"fp32 copy of the gradient shard for the optimizer, during the step: "
-                                          f"{fmt_n(shard)} × {s}", when="step")
-        p.add("optim_state", shard * k * s, f"optimizer state of the shard: {fmt_n(shard)} × {k:g} × {s}")
-        largest = sorted(sizes, reverse=True)  # upper bounds: the biggest buckets alive at once
-        p.add("transient", sum(largest[:MAX_LIVE_BUCKETS]) * c,
-              f"gathered buckets during forward/backward (the running unit, the root and a prefetch: at most "
-              f"MAX_LIVE_BUCKETS = {MAX_LIVE_BUCKETS}, bounded by the largest ones; every unit at the end of "
-              "forward with strategy.reshard_after_forward=false)")
-        p.add("transient", sum(largest[:2 + MAX_IN_FLIGHT]) * rb,
-              f"gradient buckets copied for reduce-scatter (at most MAX_IN_FLIGHT + 1 = {MAX_IN_FLIGHT + 1} in flight "
-              "plus the one filling)")
-        p.add("transient", sum(largest[:1 + MAX_IN_FLIGHT]) // N * rb,
-              "reduce-scatter outputs (one chunk per bucket) of the buckets in flight during backward")
-        if shape.buffer_bytes:
-            p.add("buffers", shape.buffer_bytes, "model buffers")
-        why = []
-        if gb != c:
-            why.append(f"the gradient shard is {gb}-byte ({gb}Ψ/N) where the paper's is {c}-byte ({c}Ψ/N)"
-                       + (" (strategy.reduce_dtype=fp32)" if precision in MIXED else ""))
-        if sum(sizes) != n:
-            why.append("buckets are packed per block and padded to multiples of N")
-        p.why = "; ".join(why)
-        if precision in MIXED:
-            p.notes.append("the gradient shard is kept in the reduce dtype: 16-bit with strategy.reduce_dtype=auto "
-                           "(the paper's 2Ψ/N; accumulation sums micro-batches in 16-bit, and the step makes an "
-                           "fp32 copy for the optimizer), fp32 with reduce_dtype=fp32 (4Ψ/N, fp32 sums)")
+    def known_cause(cls, cfg: dict) -> str:
+        s = cfg.get("strategy", {})
+        quantized = [what for key, what in (("quantize_weights", "int8 weight all-gathers (qwZ)"),
+                                            ("quantize_grads", "int4 gradient reduce-scatters (qgZ)")) if s.get(key)]
+        return (f"ZeRO++'s {' and '.join(quantized)} round what they send: the run follows another trajectory "
+                "(docs/nodes.md: the loss band)") if quantized else ""

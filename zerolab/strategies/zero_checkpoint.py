@@ -6,6 +6,11 @@ reads the ranges); and the full fp32 weights gathered bucket by bucket (consolid
 Mixed into ZeroStrategy (zero.py), whose layout it reads: `groups` (each a FlatGroup of pieces,
 segments and names), the optimizer, and `_weights_follow_shard` (zero1/2 all-gather the loaded
 shard into the model; zero3 refreshes its persistent chunks).
+
+Across nodes (strategy.shard_within=node) every node holds a replica of the shards: the ranks of
+node 0 write the pieces (a checkpoint's pieces tile each tensor once), the others write their
+rank files without pieces (RNG, buffers), and every rank loads the ranges its chunks cover, so a
+hierarchical run's checkpoint loads into any world size, node count and layout, and back.
 """
 from __future__ import annotations
 
@@ -33,6 +38,8 @@ class ZeroPieces:
 
     def checkpoint_state(self) -> dict[str, ShardPiece]:
         self._wait_gathers()
+        if self.layout.replica:  # another node holds the same shards and writes them (module docstring)
+            return {}
         out = {}
         for g, s, tensors in self._pieces():
             name = g.names[s.tensor]
@@ -74,8 +81,10 @@ class ZeroPieces:
         """All-gather the fp32 master one bucket at a time (collective); rank 0 copies that
         bucket's tensors out before the next one is gathered, so no rank ever holds a full-model
         buffer: beside rank 0's copies, the transient is one bucket, at the end of a run, when a
-        large model has the least room."""
+        large model has the least room. Under HSDP only node 0 gathers (over its own group)."""
         self._wait_gathers()
+        if self.layout.replica:
+            return None
         main = self.ctx.is_main
         state = self.model.state_dict(keep_vars=True)
         names: dict[int, list[str]] = {}
@@ -84,7 +93,7 @@ class ZeroPieces:
         out = {}
         for b in self.buckets:
             full = torch.empty(b.size, dtype=self.shard_dtype, device=self.ctx.device)
-            dist.all_gather_single(full, self._shard_chunk(b).contiguous())
+            dist.all_gather_single(full, self._shard_chunk(b).contiguous(), group=self.shard_group)
             if main:
                 for p, _, off in b.params:
                     for name in names.get(id(p), ()):

@@ -1,0 +1,117 @@
+"""Nodes in zerolab's own ZeRO: who shares a shard, and over which group each collective runs.
+
+Ranks are laid out node-major (zerolab.topology): N = per_node x nodes. Three layouts:
+
+  strategy.shard_within=world (the default, the ZeRO paper's): every bucket is cut into N chunks,
+      rank r owns chunk r; reduce-scatters and all-gathers run over every rank (group None), so
+      with more than one node every one of their bytes crosses nodes (the counter's ring model).
+  strategy.shard_within=node (HSDP, FSDP2's 2-D mesh; the same for zero1/2's optimizer state):
+      every bucket is cut into n = per_node chunks, local rank l owns chunk l, and the ranks with
+      the same local index on the other nodes hold the same chunk (replicas). Reduce-scatters and
+      all-gathers run over the node's group ("local"); the gradient shard is averaged across the
+      replicas by one all-reduce over the "node" group (the ranks sharing a local index) per step.
+  zero3 with ZeRO++'s settings (hpz, quantize_weights, quantize_grads) keeps the world-wide
+      shards and needs both subgroups: hpZ's secondary copy is gathered over the node's group,
+      qgZ's all-to-all runs inside the node, then across.
+
+The subgroups come from ctx.node_mesh() (every rank builds it in the same order) and only when a
+setting needs them, so the default layout creates no group and runs the collectives it always did.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch.distributed as dist
+
+from zerolab.errors import ConfigError, ZerolabError, launch_rank
+from zerolab.topology import topology_for
+
+log = logging.getLogger("zerolab")
+
+SHARD_WITHIN = ("world", "node")
+ZERO_PLUS_PLUS = ("hpz", "quantize_weights", "quantize_grads")  # zero3's settings, world-wide shards only
+
+
+@dataclass
+class NodeLayout:
+    """Where this rank's shard lives and which groups its collectives use (module docstring)."""
+    shards: int  # ranks one bucket is cut over: N, or per_node under shard_within=node
+    shard_rank: int  # which chunk of every bucket this rank owns
+    shard_group: Optional[Any] = None  # the group of the reduce-scatters and all-gathers; None: every rank
+    replica_group: Optional[Any] = None  # HSDP across nodes: the ranks holding this rank's chunk
+    replica: int = 0  # which replica this rank's shard is (its node under HSDP; 0 otherwise)
+    local_group: Optional[Any] = None  # this rank's node (hpZ, qgZ); None when the node is the world
+    cross_group: Optional[Any] = None  # the ranks with this local index on every node (qgZ); None on one node
+    per_node: int = 1
+    nodes: int = 1
+    local_rank: int = 0
+
+
+def layout_for(ctx, settings) -> NodeLayout:
+    """The layout of a zerolab ZeRO run from its context (ctx.topology) and settings."""
+    t, rank = ctx.topology, ctx.rank
+    base = dict(per_node=t.per_node, nodes=t.nodes, local_rank=t.local_of(rank))
+    hsdp = getattr(settings, "shard_within", "world") == "node"
+    plus = any(getattr(settings, k, False) for k in ZERO_PLUS_PLUS)
+    if t.nodes == 1 or not (hsdp or plus):  # one node: the node is the world
+        return NodeLayout(shards=ctx.world_size, shard_rank=rank, **base)
+    local, cross = _node_groups(ctx)
+    if hsdp:
+        return NodeLayout(shards=t.per_node, shard_rank=t.local_of(rank), shard_group=local, replica_group=cross,
+                          replica=t.node_of(rank), local_group=local, cross_group=cross, **base)
+    return NodeLayout(shards=ctx.world_size, shard_rank=rank, local_group=local, cross_group=cross, **base)
+
+
+def _node_groups(ctx) -> tuple[Any, Any]:
+    """(this rank's node, the ranks with its local index on every node) from ctx.node_mesh(),
+    checked against the topology the comm counter books links by: the mesh must lay ranks out
+    node-major, as torchrun and Slurm number them."""
+    t, rank = ctx.topology, ctx.rank
+    mesh = ctx.node_mesh()
+    local, cross = mesh.get_group("local"), mesh.get_group("node")
+    want = (t.node_ranks(t.node_of(rank)), t.cross_ranks(t.local_of(rank)))
+    got = (dist.get_process_group_ranks(local), dist.get_process_group_ranks(cross))
+    if [list(g) for g in got] != [list(w) for w in want]:
+        raise ZerolabError(f"rank {rank}: the node mesh's groups {got} are not the topology's {want} "
+                           f"(ranks per node {t.per_node}, node-major)")
+    return local, cross
+
+
+def shards_for(world: int, ranks_per_node: int, settings: dict) -> int:
+    """What NodeLayout.shards will be, for the memory ledger (settings: the strategy section as a dict)."""
+    return ranks_per_node if settings.get("shard_within", "world") == "node" else world
+
+
+def check_node_settings(cfg, world: int, stage: int) -> None:
+    """Refuse, before any rank starts, a node setting the chosen zerolab sharder cannot honour,
+    naming the fix; warn where a setting costs memory and saves nothing on this layout."""
+    s = cfg.strategy
+    if s.shard_within not in SHARD_WITHIN:
+        raise ConfigError(f"strategy.shard_within={s.shard_within!r} is not valid; allowed values: world (shard over "
+                          "every rank), node (shard inside each node, replicate across nodes: HSDP)")
+    if stage == 3 and (s.quant_block < 2 or s.quant_block % 2):  # zero1/2 read no quant_block (config warns)
+        raise ConfigError(f"strategy.quant_block={s.quant_block} must be an even number >= 2 (int4 blocks pack two "
+                          "elements per byte), e.g. 256")
+    on = [k for k in ZERO_PLUS_PLUS if getattr(s, k)]
+    if not on:
+        return
+    names = ", ".join(f"strategy.{k}=true" for k in on)
+    if stage < 3:
+        raise ConfigError(f"{names}: ZeRO++'s settings change zero3's weight all-gathers and gradient "
+                          f"reduce-scatter; strategy={s.name} keeps whole weights. Use strategy=zero3, or for "
+                          f"{s.name} across nodes strategy.shard_within=node (optimizer state sharded inside a node)")
+    if s.shard_within == "node":
+        raise ConfigError(f"{names} with strategy.shard_within=node: under HSDP only the gradient all-reduce "
+                          "crosses nodes, and ZeRO++'s settings act on zero3's world-wide collectives. Use "
+                          "strategy.shard_within=world with them, or HSDP alone")
+    if s.hpz and not s.reshard_after_forward:
+        raise ConfigError("strategy.hpz=true with strategy.reshard_after_forward=false: a unit kept gathered from "
+                          "its forward to its backward needs no backward all-gather, which is all hpZ changes. "
+                          "Use strategy.reshard_after_forward=true with hpz, or hpz=false")
+    topology = topology_for(cfg.dist.ranks_per_node, world)
+    if s.hpz and topology.nodes == 1 and launch_rank() == 0:
+        log.warning("strategy.hpz=true on one node (%d ranks per node): every all-gather already stays inside the "
+                    "node; the secondary copy costs 1/%d of the weights per rank and saves no cross-node byte "
+                    "(set dist.ranks_per_node to lay out nodes, docs/nodes.md)", topology.per_node, topology.per_node)

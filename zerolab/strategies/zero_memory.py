@@ -1,0 +1,175 @@
+"""The memory ledger of zerolab's own ZeRO (zero1/2 in zero.py, zero3 in zero3.py): what memory()
+measures between steps, term by term, predicted from the same packing the sharder runs.
+
+`shards` is the number of chunks a bucket is cut into: N, or the ranks of a node under
+strategy.shard_within=node (zero_hierarchy.py); the buckets are padded to multiples of it and a
+rank's shard is 1/shards of them. zero3 adds hpZ's secondary copy (1/per_node of the padded
+buckets, in compute dtype: 2Ψ/n bytes in bf16, counted as params) and the wire buffers of the
+quantized collectives (transients, zerolab/strategies/quantize.py).
+"""
+from __future__ import annotations
+
+import math
+
+from zerolab.accounting import MIXED, dtype_name, fmt_n, state_bytes
+from zerolab.buckets import MAX_IN_FLIGHT, bucket_cap, pack_buckets, zero_buckets
+from zerolab.precision import COMPUTE_BYTES
+from zerolab.strategies.quantize import wire_bytes
+
+MAX_LIVE_BUCKETS = 12  # zero3: gathered or in-flight buckets above which no unit is prefetched
+
+
+def pack_units(tensors: list[tuple[int, int, int]], cap: int, world: int) -> list[tuple[int, int, list[int], int]]:
+    """Buckets of zero3: `tensors` lists (param group, numel, unit) in unit order (root = unit 0,
+    then the blocks), registration order within a unit. Each unit is packed alone by zero.py's
+    rule (pack_buckets), last block first and the root last, and each bucket is padded to a
+    multiple of `world` (the shards). Returns (unit, group, tensor indices, padded size) per bucket,
+    in launch order. The sharder builds its buckets from this and the ledger predicts them from it."""
+    n_units = 1 + max((u for _, _, u in tensors), default=0)
+    out = []
+    for ui in [*range(n_units - 1, 0, -1), 0]:
+        index = [i for i, (_, _, u) in enumerate(tensors) if u == ui]
+        for gi, members in pack_buckets([(tensors[i][0], tensors[i][1]) for i in index], cap):
+            total = sum(tensors[index[m]][1] for m in members)
+            out.append((ui, gi, [index[m] for m in members], -(-total // world) * world))
+    return out
+
+
+def _fp32_floor_notes(p, stage: int, view: bool, dt: str, sd: str, s: int, c: int, pad: int) -> None:
+    paper = "4Ψ + KΨ/N" if stage == 1 else "2Ψ + (2 + K)Ψ/N"
+    why = []
+    if not view:
+        why.append(f"zerolab keeps an {sd} gradient shard ({s}Ψ/N) on top of the whole gradients (the paper "
+                   "reduces into them, no shard)" if stage == 1 else
+                   f"zerolab's gradient shard is {sd} ({s}Ψ/N) where the paper's is {c}-byte ({c}Ψ/N)")
+    if pad:
+        why.append("buckets are padded to multiples of N")
+    p.why = "; ".join(why)
+    if view:
+        p.notes.append(f"the shard the optimizer updates is a view of this rank's chunk of the {dt} weights (no "
+                       "master copy)" + (", and the gradient shard a view of its chunk of the whole gradients"
+                                         if stage == 1 else ""))
+    else:
+        p.notes.append(f"vs the paper ({paper} in mixed precision): the gradient shard is fp32 (4Ψ/N)"
+                       + (" on top of the whole 16-bit gradients" if stage == 1 else " rather than 16-bit (2Ψ/N)"))
+
+
+def predict_zero12(p, shape, *, stage: int, shards: int, precision: str, k: float, bucket_mb: float,
+                   reduce_dtype: str, hsdp: bool) -> None:
+    """zero1/zero2 (zero.py): every bucket padded to a multiple of `shards`, one chunk owned; the
+    shard the optimizer updates, its gradient and the optimizer state exist for the owned chunks
+    only. The shard is an fp32 master copy in mixed precision and a view of the weights where they
+    are in the dtype it updates (fp32, bf16_pure), as is zero1's gradient shard then."""
+    n, c, dt, N = shape.n_params, COMPUTE_BYTES[precision], dtype_name(precision), shards
+    sizes = zero_buckets(shape, N, c, bucket_mb)
+    padded, shard = sum(sizes), sum(sizes) // N
+    pad = padded - n
+    s = state_bytes(precision)  # the shard's bytes per element: fp32, or bf16 in bf16_pure
+    sd = "bf16" if s == 2 else "fp32"
+    view = s == c  # the shard is the weights' own owned chunk (fp32 training, bf16_pure)
+    p.add("params", n * c, f"{dt} weights, whole, views into per-bucket flat buffers: Ψ × {c}")
+    if pad:
+        p.add("params", pad * c, f"padding of {len(sizes)} bucket(s) to multiples of N: {fmt_n(pad)} × {c}")
+    if stage == 1:
+        p.add("grads", padded * c, f"{dt} gradients, whole, views into per-bucket flat buffers "
+                                   f"(kept between steps): {fmt_n(padded)} × {c}"
+                                   + (" (the owned chunks are the gradient shard)" if view else ""))
+    if not (stage == 1 and view):
+        p.add("grads", shard * s, f"{sd} gradient shard (the owned chunks): {fmt_n(shard)} × {s}")
+    if not view:
+        p.add("master", shard * s, f"fp32 master shard the optimizer updates: {fmt_n(shard)} × {s}")
+    p.add("optim_state", shard * k * s, f"optimizer state of the shard: {fmt_n(shard)} × {k:g} × {s}")
+    rb = 4 if reduce_dtype == "fp32" else c
+    if stage == 2:
+        # backward waits once more than MAX_IN_FLIGHT are in flight, i.e. after launching one more
+        p.add("transient", min(len(sizes), 2 + MAX_IN_FLIGHT) * max(sizes) * rb,
+              "gradient buckets copied for reduce-scatter, freed as each finishes during backward "
+              f"(at most MAX_IN_FLIGHT + 1 = {MAX_IN_FLIGHT + 1} in flight plus the one filling)")
+    elif rb != c:
+        p.add("transient", max(sizes) * rb, "fp32 copy of a bucket for reduce-scatter (strategy.reduce_dtype=fp32)")
+    in_flight = min(len(sizes), 1 + MAX_IN_FLIGHT)  # the drain runs after a launch past MAX_IN_FLIGHT
+    p.add("transient", in_flight * (max(sizes) // N) * rb,
+          f"reduce-scatter outputs (one chunk per bucket) of the {in_flight} bucket(s) in flight during backward")
+    if not view:  # fp32 and bf16_pure all-gather in place, from the weights' own chunk
+        p.add("transient", shard * c, f"{dt} copies of the owned chunks, the all-gather inputs of every bucket "
+                                      f"from the optimizer step to the next forward: {fmt_n(shard)} × {c}",
+              when="step")
+    if shape.buffer_bytes:
+        p.add("buffers", shape.buffer_bytes, "model buffers")
+    _fp32_floor_notes(p, stage, view, dt, sd, s, c, pad)
+    if hsdp:
+        p.notes.append(f"strategy.shard_within=node: sharded over the {N} ranks of a node (N = {N} in the terms "
+                       "above), replicated on every node; the gradient shard is all-reduced across nodes in place")
+
+
+def predict_zero3(p, shape, *, shards: int, per_node: int, precision: str, k: float, bucket_mb: float,
+                  reduce_dtype: str, settings: dict) -> None:
+    """zero3 (zero3.py), what memory() measures between steps: the persistent chunks and the fp32
+    shards of every bucket, packed unit by unit (pack_units) and padded to multiples of `shards`;
+    hpZ's secondary copy; the quantized collectives' wire buffers as transients."""
+    n, c, dt, N = shape.n_params, COMPUTE_BYTES[precision], dtype_name(precision), shards
+    tensors = [(g, math.prod(s_), shape.block_of(i) + 1) for i, (g, s_) in enumerate(shape.tensors)]
+    sizes = [size for _, _, _, size in pack_units(tensors, bucket_cap(bucket_mb, c), N)]
+    shard = sum(sizes) // N
+    s = state_bytes(precision)  # bf16_pure updates a bf16 shard: no fp32 anywhere
+    rb = 4 if reduce_dtype == "fp32" else c
+    gb = rb if precision in MIXED else s  # the gradient shard is kept in the reduce dtype
+    p.add("params", shard * c, f"{dt} weights: this rank's chunk of every bucket, the only persistent copy: "
+                               f"{fmt_n(shard)} × {c}" + (" (it is the shard the optimizer updates)"
+                                                          if precision not in MIXED else ""))
+    if settings.get("hpz"):
+        p.add("params", sum(sizes) // per_node * c,
+              f"hpZ's secondary copy of the {dt} weights, sharded over the node's {per_node} ranks (taken after "
+              f"each forward all-gather, read by the backward one): {fmt_n(sum(sizes) // per_node)} × {c}")
+    p.add("grads", shard * gb, f"gradient shard in the reduce dtype (reduce-scattered into): {fmt_n(shard)} × {gb}")
+    if precision in MIXED:
+        p.add("master", shard * 4, f"fp32 master shard the optimizer updates: {fmt_n(shard)} × 4")
+    if gb != s:
+        p.add("transient", shard * s, f"fp32 copy of the gradient shard for the optimizer, during the step: "
+                                      f"{fmt_n(shard)} × {s}", when="step")
+    p.add("optim_state", shard * k * s, f"optimizer state of the shard: {fmt_n(shard)} × {k:g} × {s}")
+    largest = sorted(sizes, reverse=True)  # upper bounds: the biggest buckets alive at once
+    p.add("transient", sum(largest[:MAX_LIVE_BUCKETS]) * c,
+          f"gathered buckets during forward/backward (the running unit, the root and a prefetch: at most "
+          f"MAX_LIVE_BUCKETS = {MAX_LIVE_BUCKETS}, bounded by the largest ones; every unit at the end of "
+          "forward with strategy.reshard_after_forward=false)")
+    p.add("transient", sum(largest[:2 + MAX_IN_FLIGHT]) * rb,
+          f"gradient buckets copied for reduce-scatter (at most MAX_IN_FLIGHT + 1 = {MAX_IN_FLIGHT + 1} in flight "
+          "plus the one filling)")
+    p.add("transient", sum(largest[:1 + MAX_IN_FLIGHT]) // N * rb,
+          "reduce-scatter outputs (one chunk per bucket) of the buckets in flight during backward")
+    _quantized_transients(p, largest, N, per_node, settings)
+    if shape.buffer_bytes:
+        p.add("buffers", shape.buffer_bytes, "model buffers")
+    _zero3_notes(p, n, sizes, gb, c, precision, N, settings)
+
+
+def _quantized_transients(p, largest: list[int], N: int, per_node: int, settings: dict) -> None:
+    block = settings.get("quant_block", 256)
+    if settings.get("quantize_weights"):
+        wires = [(N + 1) * wire_bytes(size // N, block, 8) for size in largest[:MAX_LIVE_BUCKETS]]
+        p.add("transient", sum(wires), "qwZ's int8 wire buffers (this rank's quantized chunk and the gathered "
+                                       f"pieces) of the buckets gathered at once (at most {MAX_LIVE_BUCKETS})")
+    if settings.get("quantize_grads"):
+        nodes, size = N // per_node, largest[0]
+        hops = [2 * per_node * wire_bytes(nodes * (size // N), block, 4) if per_node > 1 else 0,
+                2 * nodes * wire_bytes(size // N, block, 4) if nodes > 1 else 0]
+        p.add("transient", max(hops), "qgZ's int4 send and receive buffers of one hop of the largest bucket "
+                                      "(the hops run one after the other, one bucket at a time)")
+
+
+def _zero3_notes(p, n: int, sizes: list[int], gb: int, c: int, precision: str, N: int, settings: dict) -> None:
+    why = []
+    if gb != c:
+        why.append(f"the gradient shard is {gb}-byte ({gb}Ψ/N) where the paper's is {c}-byte ({c}Ψ/N)"
+                   + (" (strategy.reduce_dtype=fp32)" if precision in MIXED else ""))
+    if sum(sizes) != n:
+        why.append("buckets are packed per block and padded to multiples of N")
+    p.why = "; ".join(why)
+    if precision in MIXED:
+        p.notes.append("the gradient shard is kept in the reduce dtype: 16-bit with strategy.reduce_dtype=auto "
+                       "(the paper's 2Ψ/N; accumulation sums micro-batches in 16-bit, and the step makes an "
+                       "fp32 copy for the optimizer), fp32 with reduce_dtype=fp32 (4Ψ/N, fp32 sums)")
+    if settings.get("shard_within") == "node":
+        p.notes.append(f"strategy.shard_within=node (HSDP): sharded over the {N} ranks of a node (N = {N} in the "
+                       "terms above), replicated on every node")
