@@ -175,3 +175,27 @@ def test_deepspeed_overrides_are_in_the_ledger(tmp_path, deepspeed_ops, override
         assert measured[r]["mem/model_states_bytes"] == pred["model_states"], (r, measured[r], pred)
     whole = [t for t in ledger["predicted"]["terms"] if "kept whole on every rank" in t["what"]]
     assert bool(whole) == kept
+
+
+def test_deepspeed_hpz_runs_beside_zerolabs_and_its_quantized_collectives_are_refused_on_a_cpu(tmp_path,
+                                                                                             deepspeed_ops):
+    """ZeRO++ through strategy=deepspeed (Wang et al. 2023), 4 ranks as 2 nodes x 2: hpZ
+    (zero_hpz_partition_size=2) trains beside zerolab's strategy.hpz; both are stage 3 with a
+    secondary copy inside the node, the same fp32 math as ddp, so each is within TOL_FP32 of a 4-rank
+    ddp run (the module docstring's argument; the sums are reordered over 4 ranks instead of 2).
+    DeepSpeed's quantized collectives need its QuantizerBuilder kernel, which its CPU accelerator
+    lacks: refused before the engine is built, exit 2, naming zerolab's own and the GPU."""
+    four = [*COMMON, "data.micro_batch=2", "dist.ranks_per_node=2"]
+    run_train(tmp_path / "ddp", 4, *four, "strategy=ddp")
+    ddp = load_weights(tmp_path / "ddp")
+    hpz = "strategy.ds_config_overrides={zero_optimization:{zero_hpz_partition_size:2}}"
+    run_train(tmp_path / "ds", 4, *four, "strategy=deepspeed", "strategy.stage=3", hpz)
+    run_train(tmp_path / "own", 4, *four, "strategy=zero3", "strategy.hpz=true")
+    for name in ("ds", "own"):
+        diff = rel_l2_diff(load_weights(tmp_path / name), ddp)
+        assert diff < TOL_FP32, f"{name} hpZ vs ddp at 4 ranks: {diff:.3g}"
+    quantized = "strategy.ds_config_overrides={zero_optimization:{zero_quantized_weights:true}}"
+    proc = run_train(tmp_path / "q", 2, *COMMON, "strategy=deepspeed", "strategy.stage=3", quantized, check=False)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 2, out[-3000:]
+    assert "QuantizerBuilder kernel" in out and "strategy.quantize_weights=true" in out and "Traceback" not in out

@@ -231,6 +231,7 @@ class DeepSpeedStrategy(DeepSpeedCheckpointing, Strategy):
                               "accelerator does not support fp16 on this machine (on a CPU it needs AVX512-FP16); "
                               "use precision=bf16 or fp32, or zerolab's own strategies (zero1/zero2/zero3), which "
                               "run fp16 on any CPU")
+        refuse_missing_kernels(self.settings.ds_config_overrides, accel.device_name())
         # DeepSpeed reads the launcher's variables even when it adopts a process group it did not
         # create; a plain `python train.py` has none, and zerolab knows them (zerolab.dist).
         for var, value in (("LOCAL_RANK", self.ctx.local_rank), ("RANK", self.ctx.rank),
@@ -363,3 +364,21 @@ class DeepSpeedStrategy(DeepSpeedCheckpointing, Strategy):
                                "use --precision bf16")
         zero = ds_zero_config(settings, stage, bucket_cap(bucket_mb, COMPUTE_BYTES[precision]))
         predict_ds_memory(p, shape, zero, world=world, precision=precision, k=k, rank=rank)
+
+
+# ZeRO++'s quantized collectives (Wang et al. 2023) run DeepSpeed's QuantizerBuilder op, which its
+# CPU accelerator does not implement (it raises "This op had not been implemented on CPU backend"
+# at the first forward or backward); hpZ (zero_hpz_partition_size) needs no kernel and runs.
+QUANTIZER_KEYS = ("zero_quantized_weights", "zero_quantized_gradients", "zero_quantized_nontrainable_weights")
+
+
+def refuse_missing_kernels(overrides: dict, device: str) -> None:
+    """Refuse, before the engine is built, ZeRO++ keys whose kernel this accelerator lacks."""
+    zero = (overrides or {}).get("zero_optimization") or {}
+    asked = [k for k in QUANTIZER_KEYS if zero.get(k)]
+    if asked and device == "cpu":
+        raise ConfigError(f"strategy.ds_config_overrides sets zero_optimization.{asked[0]}: DeepSpeed's quantized "
+                          "collectives need its QuantizerBuilder kernel, which its CPU accelerator does not "
+                          "implement. On this machine use zerolab's own: strategy=zero3 strategy.quantize_weights=true "
+                          "strategy.quantize_grads=true (docs/nodes.md); or run DeepSpeed's on a GPU "
+                          "(zero_hpz_partition_size runs on a CPU too)")
