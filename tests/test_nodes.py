@@ -3,10 +3,11 @@ hpZ, qwZ and qgZ (strategy.hpz, quantize_weights, quantize_grads) for its zero3,
 real gloo ranks: 4 ranks laid out as 2 nodes x 2 on this one machine (dist.ranks_per_node=2;
 zerolab.topology: ranks 0, 1 are node 0 and ranks 2, 3 node 1).
 
-The slow tier trains one job per setting (module-scoped: every test reads the same runs), 8 steps
-of gpt_tiny without biases and with n_embd = 62 (so the buckets of 4 world-wide shards are padded),
-strategy.bucket_mb=0.05 (several buckets per unit), optim.grad_clip=0.1 (every step clips: the
-norm's partial sums must be completed over the right group), fp32, AdamW. Checked:
+The slow tier trains one job per setting (once per pytest invocation: every test here and in
+tests/test_nodes_more.py reads the same runs), 8 steps of gpt_tiny without biases and with
+n_embd = 62 (so the buckets of 4 world-wide shards are padded), strategy.bucket_mb=0.05 (several
+buckets per unit), optim.grad_clip=0.1 (every step clips: the norm's partial sums must be
+completed over the right group), fp32, AdamW. Checked:
 
   a. zero1, zero2 and zero3 with shard_within=node equal ddp at 4 ranks: per tensor
      ‖w − w_ddp‖₂/‖w_ddp‖₂ <= 1e-6, and the logged gradient norms to 1e-5 relative. The argument
@@ -181,17 +182,10 @@ def test_block_quantization_error_is_half_a_step(bits, levels):
 
 # ---- slow tier: one job per setting ------------------------------------------------------------
 @pytest.fixture(scope="module")
-def job(tmp_path_factory):
-    made = {}
-
-    def get(label: str, *extra: str):
-        key = (label, *extra)
-        if key not in made:
-            run = tmp_path_factory.mktemp(label) / "run"
-            run_ranks(run, WORLD, *COMMON, *RUNS[label], *extra)
-            made[key] = run
-        return made[key]
-    return get
+def job(shared_run):
+    """The run directory of RUNS[label], trained once per pytest invocation (conftest.shared_run:
+    tests/test_nodes_more.py reads the same runs)."""
+    return lambda label: shared_run(WORLD, *COMMON, *RUNS[label])
 
 
 def records(run) -> list[dict]:
