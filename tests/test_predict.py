@@ -92,9 +92,9 @@ def coll(index, kind="all_gather", phase="forward", stream=0, ranks=(0, 1)):
     return Collective(index, kind, 1, ranks, phase, stream)
 
 
-def run(events, seconds: dict, streams=True):
+def run(events, seconds: dict, streams=True, overlap_rate=1.0):
     rec = StepRecord(events=events, collectives=[e for e in events if isinstance(e, Collective)])
-    return replay(rec, lambda o: o.bytes, lambda c: seconds[c.index], streams)
+    return replay(rec, lambda o: o.bytes, lambda c: seconds[c.index], streams, overlap_rate)
 
 
 def test_a_collective_hides_behind_the_compute_issued_between_it_and_its_wait():
@@ -127,6 +127,29 @@ def test_side_streams_on_a_gpu_and_one_timeline_on_a_cpu():
     cpu = run(events, {0: 2.0}, streams=False)
     assert math.isclose(gpu.parts["comm_exposed"], 0.5) and math.isclose(gpu.step_s, 2.25)
     assert math.isclose(cpu.parts["comm_exposed"], 2.0) and math.isclose(cpu.step_s, 3.75)
+
+
+def test_on_shared_cores_a_hidden_collective_still_lengthens_the_compute():
+    """The first test's step on a CPU whose cores compute and gloo share (rate 1/2 while both
+    run). Forward: the 1 s gather runs beside the 2 s op: 1 s of both at half speed (2 s), then
+    the op's last 1 s alone: 3 s, nothing exposed. Backward: the 3 s gather beside the 1 s op: 2 s
+    at half speed, 2 s of the gather left for the wait: exposed. At rate 1 it is the free overlap."""
+    events = [coll(0), op(nbytes=2), Wait(0, False, "forward", 0), coll(1, phase="backward"),
+              op(phase="backward", nbytes=1), Wait(1, False, "backward", 0), op(phase="optimizer", nbytes=0.5)]
+    shared = run(events, {0: 1.0, 1: 3.0}, streams=False, overlap_rate=0.5)
+    assert shared.parts == {"compute": 5.0, "optimizer": 0.5, "comm_exposed": 2.0, "other": 0.0}
+    assert shared.step_s == 7.5 == 2 + 1 + 0.5 + 1 + 3  # every second of compute and collective, one after another
+    free = run(events, {0: 1.0, 1: 3.0}, streams=False, overlap_rate=1.0)
+    assert free.step_s == 5.5 and free.parts["comm_exposed"] == 2.0
+
+
+def test_the_cores_are_shared_when_ranks_and_gloo_threads_outnumber_them():
+    from zerolab.predict.hardware import overlap_rate
+
+    assert overlap_rate(cores=2, ranks=2) == 0.5  # 4 threads on 2 cores, against 2 on 2
+    assert overlap_rate(cores=2, ranks=3) == 0.5  # 6 on 2, against 3 on 2 (the calibration's share)
+    assert overlap_rate(cores=3, ranks=2) == 0.75
+    assert overlap_rate(cores=4, ranks=2) == 1.0 and overlap_rate(cores=16, ranks=1) == 1.0
 
 
 def test_collectives_of_one_group_run_one_after_another():
@@ -188,7 +211,7 @@ def test_overrides_change_the_figure_they_name():
     assert math.isclose(dev.op_overhead_s, 3e-6) and dev.achievable == 0.5
 
 
-CALIBRATION = {"machine": "test", "date": "2026-12-03", "ranks": {
+CALIBRATION = {"machine": "test", "date": "2026-12-03", "cores": 2, "ranks": {
     str(n): {"matmul_fp32": 50e9 / n, "matmul_bf16": 1e9, "attention_fp32": 20e9, "memory_bandwidth": 10e9,
              "op_overhead_s": 1e-5,
              "gloo": {"all_reduce": {"2": {"latency_s": 1e-4, "bandwidth": 1e9},

@@ -166,6 +166,9 @@ def _worker(rank: int, world: int, init: str, out_dir: str) -> None:
             figures["gloo"] = {str(world): gloo_fits(world)}
         with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
             json.dump(figures, f)
+        # No rank tears its connections down while another is still in a collective: gloo's
+        # threads abort the process (std::terminate) when a peer vanishes under them.
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
@@ -187,6 +190,7 @@ def measure(ranks: int) -> dict:
 def calibrate(counts=(1, 2, 3)) -> dict:
     os.environ["OMP_NUM_THREADS"] = "1"  # the workers' (spawned processes inherit it)
     result = {"machine": f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}",
+              "cores": os.cpu_count(),
               "date": datetime.date.today().isoformat(), "load_average_before": os.getloadavg()[0], "ranks": {}}
     for n in counts:
         result["ranks"][str(n)] = measure(n)

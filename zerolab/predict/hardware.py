@@ -41,6 +41,7 @@ class Device:
     host_sync: bool = False  # a CPU: one timeline, waits block the host (no streams)
     gloo: dict = field(default_factory=dict)  # cpu: calibrated collectives, kind -> group size -> latency, bandwidth
     kernel_flops: dict = field(default_factory=dict)  # cpu: op name -> measured FLOP/s where it is not a matmul's
+    overlap_rate: float = 1.0  # cpu: the speed of compute and of a collective while both run (overlap_rate())
 
     def peak(self, dtype: str) -> float:
         return self.flops.get(dtype) or self.flops["fp32"]
@@ -118,7 +119,19 @@ def cpu_device(ranks: int, path: str = "") -> Device:
                   c["memory_bandwidth"], cal.get("memory", 0),
                   f"measured here by python -m zerolab.predict calibrate, {cal.get('date', '?')} ({path})",
                   achievable=1.0, op_overhead_s=c["op_overhead_s"], host_sync=True, gloo=c.get("gloo", {}),
-                  kernel_flops={name: c["attention_fp32"] for name in ATTENTION_KERNELS})
+                  kernel_flops={name: c["attention_fp32"] for name in ATTENTION_KERNELS},
+                  overlap_rate=overlap_rate(int(cal.get("cores") or os.cpu_count() or 1), ranks))
+
+
+def overlap_rate(cores: int, ranks: int) -> float:
+    """How fast compute and a collective each run, against running alone, while both run on a host
+    of `cores` cores shared by `ranks` ranks. Each rank computes on one thread (OMP_NUM_THREADS=1)
+    and gloo moves and sums a collective's bytes on a thread of its own, so while a collective is in
+    flight 2 x ranks threads want the cores: each gets min(1, cores / (2 ranks)) of one, against
+    min(1, cores / ranks) with compute alone (what the calibration measured). 2 ranks on 2 cores: 1/2,
+    the collective is not hidden but shares the cores; 2 ranks on 4 cores: 1, free overlap."""
+    alone, both = min(1.0, cores / ranks), min(1.0, cores / (2 * ranks))
+    return both / alone
 
 
 def device(name: str, ranks_per_host: int = 1) -> Device:

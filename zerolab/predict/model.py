@@ -19,8 +19,8 @@ from zerolab.predict.timeline import replay
 from zerolab.predict.topology import Topology
 
 NOT_MODELLED = ("not modelled: the host's own time on a GPU (it is assumed to run ahead of the device), "
-                "compute slowed by communication running beside it, kernels fused or tuned differently from the "
-                "CPU kernels the dry run dispatched, data loading")
+                "on a GPU, compute slowed by communication running beside it, kernels fused or tuned differently "
+                "from the CPU kernels the dry run dispatched, data loading")
 
 
 @dataclass
@@ -53,7 +53,8 @@ def predict(record: StepRecord, topo: Topology, tokens_per_rank: int, flops_per_
     """The step of `record` (one rank's) on `topo`'s device and links."""
     dev = topo.device
     priced = {c.index: topo.price(c.kind, c.bytes, c.ranks) for c in record.collectives}
-    r = replay(record, lambda op: op_seconds(op, dev), lambda c: priced[c.index].seconds, streams=not dev.host_sync)
+    r = replay(record, lambda op: op_seconds(op, dev), lambda c: priced[c.index].seconds, streams=not dev.host_sync,
+               overlap_rate=dev.overlap_rate)
     per_device = tokens_per_rank / r.step_s if r.step_s > 0 else 0.0
     mfu = per_device * flops_per_token / dev.peak(dtype) if dev.peak(dtype) else 0.0
     return Prediction(dev.name, topo.describe(), topo.world, dtype, r.step_s, r.parts, per_device, mfu, r.comm_s,
@@ -97,7 +98,9 @@ def assumptions(dev: Device, topo: Topology, dtype: str) -> list[str]:
            "each op: max(FLOPs / FLOP/s, bytes / bandwidth)" + (f" + {dev.op_overhead_s * 1e6:.1f} us per kernel"
                                                                if dev.op_overhead_s else ""),
            f"links: {topo.describe()}",
-           ("overlap: one timeline on the host; a collective runs on gloo's threads from its issue to its wait"
+           (("overlap: one timeline on the host; a collective runs on gloo's threads from its issue to its wait, "
+             + ("beside the compute at no cost" if dev.overlap_rate >= 1 else
+                f"sharing the cores with the compute: both at x{dev.overlap_rate:g} of their speed while both run"))
             if dev.host_sync else "overlap: the strategy's streams (compute; each process group's collectives one "
                                   "after another); a collective is hidden by compute issued after it and before its "
                                   "wait"),

@@ -13,11 +13,21 @@ The rules (one compute timeline, one communication timeline per process group):
   the gap it leaves on the compute stream, is exposed communication.
 
 Collectives on one group are serialized: two that shared its links at once would take as long
-together. The step is replayed three times in a row (a step waits for what the previous one left
-in flight: zero1/2's all-gathers); the middle one is the prediction: its length is the time
-between its first op and the next step's, and its parts are the compute stream's time in each
-phase (forward and backward: compute; optimizer; other) plus the gaps (exposed communication),
-which add up to it exactly, as a profiled step's parts do (zerolab.profile).
+together.
+
+On a CPU whose cores the ranks' compute threads and gloo's threads share (fewer cores than twice
+the ranks: hardware.overlap_rate), overlap is not free: while a collective is in flight, it and
+the compute each run at `overlap_rate` of their speed alone (processor sharing). The collectives
+then form one queue of work beside the host's: an op of d seconds that runs while x seconds of
+collective work remain takes x / rate + (d - x) and leaves x less of it; a wait runs what is left
+up to the collective it waits for, at full speed, and that is exposed. So a hidden collective
+still lengthens the compute it hides behind, as a profiled CPU step shows.
+
+The step is replayed three times in a row (a step waits for what the previous one left in
+flight: zero1/2's all-gathers); the middle one is the prediction: its length is the time between
+its first op and the next step's, and its parts are the compute stream's time in each phase
+(forward and backward: compute; optimizer; other) plus the gaps (exposed communication), which
+add up to it exactly, as a profiled step's parts do (zerolab.profile).
 """
 from __future__ import annotations
 
@@ -39,12 +49,13 @@ class Replay:
     exposed_by_kind: dict = field(default_factory=dict)  # collective kind -> exposed seconds
 
 
-def replay(record: StepRecord, op_seconds, coll_seconds, streams: bool) -> Replay:
+def replay(record: StepRecord, op_seconds, coll_seconds, streams: bool, overlap_rate: float = 1.0) -> Replay:
     """`op_seconds(op)`, `coll_seconds(collective)`: their priced times. `streams`: a GPU's
-    streams (False: a CPU, where everything runs on the host's one timeline)."""
+    streams (False: a CPU, where everything runs on the host's one timeline). `overlap_rate` < 1:
+    a CPU's shared cores (the module docstring)."""
     durations = [op_seconds(e) if isinstance(e, Op) else coll_seconds(e) if isinstance(e, Collective) else 0.0
                  for e in record.events]
-    sim = _Sim(streams)
+    sim = _Sim(streams) if streams or overlap_rate >= 1 else _SharedCores(overlap_rate)
     starts = []
     for tile in range(REPEATS):
         starts.append(sim.ready[0])
@@ -103,3 +114,51 @@ class _Sim:
         if measured and stream == 0:
             self.parts["comm_exposed"] += gap
             self.exposed[kind or "stream wait"] += gap
+
+
+class _SharedCores(_Sim):
+    """One host whose cores the compute and gloo's threads share (the module docstring)."""
+
+    def __init__(self, rate: float):
+        super().__init__(streams=False)
+        self.rate = rate
+        self.queue: dict = {}  # (tile, index) -> [collective seconds left, kind], in issue order
+
+    def tile(self, record: StepRecord, durations: list, tile: int, measured: bool) -> None:
+        for e, d in zip(record.events, durations):
+            if isinstance(e, Op):
+                x = self._run_queue(d)
+                self.ready[0] += x / self.rate + (d - x)
+                if measured:
+                    self.parts[PART_OF_PHASE[e.phase]] += x / self.rate + (d - x)
+            elif isinstance(e, Collective):
+                self.queue[tile, e.index] = [d, e.kind]
+            elif isinstance(e, Wait):
+                self._drain_to((tile - e.carried, e.index), measured)
+
+    def _run_queue(self, budget: float) -> float:
+        """Advance the queued collectives by up to `budget` seconds of their work; what was done."""
+        done = 0.0
+        for key in list(self.queue):
+            left = self.queue[key]
+            step = min(left[0], budget - done)
+            left[0] -= step
+            done += step
+            if left[0] <= 0:
+                del self.queue[key]
+            if done >= budget:
+                break
+        return done
+
+    def _drain_to(self, key: tuple, measured: bool) -> None:
+        if key not in self.queue:
+            return  # finished already, behind the compute
+        kind = self.queue[key][1]
+        keys = list(self.queue)
+        gap = 0.0
+        for k in keys[:keys.index(key) + 1]:
+            gap += self.queue.pop(k)[0]
+        self.ready[0] += gap
+        if measured:
+            self.parts["comm_exposed"] += gap
+            self.exposed[kind] += gap
