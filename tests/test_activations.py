@@ -101,6 +101,7 @@ RUN = ["model=gpt_tiny", "model.dropout=0.1", "data=synthetic", "data.micro_batc
        "strategy=ddp", "logging.wandb.mode=disabled", "logging.progress=false", "dist.device=cpu"]
 
 
+@pytest.mark.slow  # in-process, but several seconds: kept out of the 2-minute fast tier
 def test_checkpointing_keeps_the_weights_and_saves_the_predicted_bytes(tmp_path, one_rank):
     from zerolab.trainer import Trainer
 

@@ -141,6 +141,7 @@ def test_bad_hardware_is_refused_before_anything_is_rehearsed(capsys, argv, mess
     assert message in err and "Traceback" not in err
 
 
+@pytest.mark.slow  # in-process, but several seconds: kept out of the 2-minute fast tier
 def test_the_dry_runs_nodes_are_the_predictions(capsys):
     """--gpus-per-node gives the fake process group its nodes (dist.ranks_per_node): the strategy's
     comm counter splits its bytes by link as a 2-node job's does (zerolab.comm: a group spanning
@@ -188,6 +189,7 @@ def test_a_dry_run_warns_about_the_rank_it_rehearses_only(caplog):
     assert all("rank 0:" in m for m in named), named
 
 
+@pytest.mark.slow  # in-process, but several seconds: kept out of the 2-minute fast tier
 def test_plan_ranks_what_fits_by_predicted_tokens_per_second(capsys):
     from zerolab.plan import cli_main as plan_main, format_speed
 

@@ -59,6 +59,7 @@ def check_rehearsal(overrides: list[str], strategy: str) -> None:
     assert "dry run of rank 3 of 4" in table and "not counted here" in table
 
 
+@pytest.mark.slow  # in-process, but several seconds: kept out of the 2-minute fast tier
 def test_the_fp32_floor_of_zero1_and_zero2():
     """fp32 with AdamW (issue 27): zero1 holds (4 + 4 + 8/N) bytes per parameter, zero2
     (4 + (4 + 8)/N), zero3 16/N, plus each bucket's padding to a multiple of N; ddp 16. Rehearsed
