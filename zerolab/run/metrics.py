@@ -82,14 +82,22 @@ NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 def append_record(fd: int, line: bytes) -> None:
     """Append one whole record to the open file `fd` (O_APPEND) or nothing: one write per record
     (a short write goes on with the rest), and on a failure what was written of it is cut off
-    again, so a reader never sees a torn last line. Raises the write's OSError."""
-    start = os.lseek(fd, 0, os.SEEK_END)
+    again, so a reader never sees a torn last line. Raises the write's OSError. A pipe or FIFO
+    (metrics.jsonl read live by another process) has no end to seek or cut: there each record is
+    one write, whole unless the write itself fails."""
+    try:
+        start = os.lseek(fd, 0, os.SEEK_END)
+    except OSError as err:
+        if err.errno != errno.ESPIPE:
+            raise
+        start = None
     done = 0
     try:
         while done < len(line):
             done += os.write(fd, line[done:])
     except OSError:
-        os.ftruncate(fd, start)  # frees what the partial record took: it works on a full disk
+        if start is not None:
+            os.ftruncate(fd, start)  # frees what the partial record took: it works on a full disk
         raise
 
 
