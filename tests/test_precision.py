@@ -1,5 +1,6 @@
 """Precision modes: why master weights matter, fp16 loss scaling, non-finite gradient policy."""
 import json
+import re
 
 import pytest
 import torch
@@ -138,7 +139,9 @@ def test_nonfinite_gradient_stop_names_step_and_tensor(tmp_path):
     assert proc.returncode == 1, proc.stdout[-3000:]  # NonFiniteGradient, a ZerolabError: exit 1
     err = proc.stdout + proc.stderr
     # One explained failure, from rank 0: no rank is blamed for "stopping" (each raised by itself).
-    assert err.count("zerolab: error: step 3: the gradient norm is inf") == 1, err[-4000:]
+    # inf or nan: the loss times inf makes inf gradients, and nan where a path multiplies it by an
+    # exact zero (which step 3 of this run has, step 4 did not); either is non-finite, and named.
+    assert len(re.findall(r"zerolab: error: step 3: the gradient norm is (?:inf|nan) ", err)) == 1, err[-4000:]
     assert "first non-finite gradient: wte.weight" in err and "RankStopped" not in err
 
 
