@@ -40,6 +40,30 @@ shard_within=node are test_nodes.py's own when both files run.
      1e-6 per tensor, a.'s argument (the steps before and after the checkpoint add in other
      orders: rounding only); measured 5.8e-8, 5.4e-8, 5.3e-8. With Adam's first moment left out
      of the load (zero_checkpoint.py), the zero2 and zero3 targets measured 8.2e-2.
+  e. A quantized run in the report (zerolab/report/band.py): zero3 with qwZ and qgZ and ddp, 24
+     steps each (the band needs 20 logged steps), through `python -m zerolab compare`: the
+     quantized run's parity line says "quantized: within band", never "match" nor "MISMATCH",
+     and names what it rounds and the final weights' distance (measured: worst |Δloss|/band 0.36,
+     ‖Δw‖/‖w‖ 3.6e-2).
+  f. A checkpoint of the quantized run (qwZ and qgZ at 4 ranks as 2 x 2, step 4) holds the exact
+     state (the fp32 master and Adam's moments: only what travels is rounded): resumed in the
+     same layout it ends bitwise equal to the uninterrupted run (the same rounding of the same
+     bytes), and resumed unquantized at 2 ranks as zero3 and as ddp the two end within 1e-6 of
+     each other (a.'s argument: the same exact steps from the same loaded state, in another
+     summation order), and away from the quantized run's own end (they did step unquantized).
+     Measured 1.0e-8 between the two, 1.1e-2 from the quantized run's end.
+  g. bf16 mixed precision (precision=bf16: bf16 weights and gradients, fp32 master and Adam
+     states). hpZ equals zero3 bitwise (b.'s argument: the secondary copy holds the same bf16
+     bytes the forward gathered). HSDP (zero2 and zero3 with shard_within=node) against ddp: the
+     gradients are summed in bf16 in another order (the node's reduce-scatter, then across nodes,
+     against one all-reduce over 4), each partial sum rounded at u = 2^-8, so each step's gradient,
+     and through Adam's normalised step each update, moves by a relative ρ of a few u. Those errors
+     reach the fp32 master only through the steps, whose total movement the logged update ratios
+     give: Σ_t ‖Δw_t‖/‖w‖ = 0.067 here, so ‖w − w_ddp‖/‖w‖ <= ρ·0.067, under u itself for any ρ up to
+     15u. The bound is u = 3.9e-3 per tensor; measured 1.2e-3 (zero2, zero3), and zero3 without
+     HSDP, the same kind of reordering, 1.6e-3 against ddp: HSDP is held to at most twice that too.
+     A gradient shard combined with another chunk's (an unrelated gradient: ρ ~ 1) would move them by
+     ~0.067, 17 times the bound.
 
 Measured on 2026-12-03; about a minute on 2 cores, alone or beside test_nodes.py (whose AdamW
 runs it reads).
@@ -48,7 +72,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import load_weights, rank_log, read_metrics, rel_l2_diff, run_ranks
+from conftest import assert_same_weights, load_weights, rank_log, read_metrics, rel_l2_diff, run_python, run_ranks
 from test_nodes import COMMON, FP32_TOL, K, MODEL, RUNS, STEPS, WORLD
 
 pytestmark = pytest.mark.slow  # every test here reads multi-rank jobs
@@ -160,3 +184,61 @@ def test_hsdp_checkpoint_reshards_to_another_world_size(job, tmp_path, src, dst)
     diff = rel_l2_diff(load_weights(target), load_weights(job(dst)))
     print(f"{src} step {K} -> {dst}, vs {dst} uninterrupted: rel L2 {diff:.3g}")
     assert diff <= FP32_TOL, (src, dst, diff)
+
+
+# ---- e. a quantized run in the report --------------------------------------------------------------
+QUANTIZED = ["strategy=zero3", "strategy.quantize_weights=true", "strategy.quantize_grads=true"]
+BAND_STEPS = 24  # the band needs 20 common logged steps (zerolab/report/band.py, MIN_STEPS)
+
+
+def test_a_quantized_runs_parity_line_says_quantized(shared_run, tmp_path):
+    longer = [o if not o.startswith("trainer.max_steps=") else f"trainer.max_steps={BAND_STEPS}" for o in COMMON]
+    base, run = shared_run(WORLD, *longer, "strategy=ddp"), shared_run(WORLD, *longer, *QUANTIZED)
+    out = tmp_path / "report"
+    run_python("-m", "zerolab", "compare", str(base), str(run), "--out", str(out), "--wandb", "disabled",
+               "--fail-on-mismatch")  # within its band: not a failure
+    parity = (out / "report.md").read_text().split("## Parity")[1].split("\n## ")[0]
+    [row] = [line for line in parity.splitlines() if line.startswith("| zero3 ")]
+    [note] = [line for line in parity.splitlines() if line.startswith("- **zero3**")]
+    print(row, note, sep="\n")
+    assert "**quantized: within band**" in row and "match" not in row.lower()
+    assert "int8 weight all-gathers (qwZ)" in note and f"at all {BAND_STEPS} logged steps" in note
+    assert "final weights ‖Δw‖/‖w‖" in note
+
+
+# ---- f. a quantized run's checkpoint, resumed --------------------------------------------------------
+def test_a_quantized_checkpoint_resumes_exactly_and_unquantized_at_two_ranks(shared_run, tmp_path):
+    source = shared_run(WORLD, *at(WORLD), *QUANTIZED, f"checkpoint.every={K}")
+    ckpt = source / "checkpoints" / f"step_{K:08d}"
+    same = tmp_path / "same"
+    run_ranks(same, WORLD, *at(WORLD), *QUANTIZED, f"checkpoint.resume={ckpt}")
+    assert f"resumed at step {K}" in rank_log(same)
+    assert_same_weights(load_weights(same), load_weights(source), "quantized zero3 resumed vs uninterrupted")
+    ends = {}
+    for name in ("zero3", "ddp"):
+        target = tmp_path / name
+        run_ranks(target, 2, *at(2), f"strategy={name}", f"checkpoint.resume={ckpt}")
+        assert f"zero3, {WORLD} ranks -> {name}, 2 ranks" in rank_log(target)
+        ends[name] = load_weights(target)
+    diff, away = rel_l2_diff(ends["zero3"], ends["ddp"]), rel_l2_diff(ends["ddp"], load_weights(source))
+    print(f"quantized step {K} -> zero3@2 vs ddp@2: rel L2 {diff:.3g}; ddp@2 vs the quantized run's end {away:.3g}")
+    assert diff <= FP32_TOL and away > 100 * FP32_TOL, (diff, away)
+
+
+# ---- g. bf16 mixed precision -----------------------------------------------------------------------
+BF16_TOL = 2.0 ** -8  # module docstring, g.: bf16's unit roundoff
+
+
+def test_bf16_hpz_is_bitwise_zero3_and_hsdp_within_bf16_rounding_of_ddp(shared_run):
+    bf16 = lambda label: load_weights(shared_run(WORLD, *COMMON, *RUNS[label], "precision=bf16"))
+    ddp, zero3 = bf16("ddp"), bf16("zero3")
+    assert_same_weights(bf16("zero3_hpz"), zero3, "bf16 hpz vs zero3")
+    flat = rel_l2_diff(zero3, ddp)
+    ratios = [r["update_ratio"] for r in read_metrics(shared_run(WORLD, *COMMON, *RUNS["ddp"], "precision=bf16"))
+              if "update_ratio" in r]
+    print(f"bf16 zero3 vs ddp {flat:.3g}; Σ update ratios {sum(ratios):.3g}")
+    assert len(ratios) == STEPS and sum(ratios) < 0.1  # the movement the bound's argument takes
+    for label in ("zero2_node", "zero3_node"):
+        diff = rel_l2_diff(bf16(label), ddp)
+        print(f"bf16 {label} vs ddp: rel L2 {diff:.3g}")
+        assert diff <= BF16_TOL and diff <= 2 * flat, (label, diff, flat)

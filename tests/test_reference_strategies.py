@@ -177,12 +177,30 @@ def test_deepspeed_overrides_are_in_the_ledger(tmp_path, deepspeed_ops, override
     assert bool(whole) == kept
 
 
+def test_deepspeed_hpz_secondary_copy_skips_the_tensors_kept_whole(tmp_path, deepspeed_ops):
+    """With stage3_param_persistence_threshold=5000, gpt_tiny's position embedding, norms and attention
+    output projections (<= 4,096 elements) stay whole on every rank and get no secondary copy; the
+    rest do (DeepSpeed's _partition_param_sec runs only for a partitioned tensor): measured = predicted."""
+    four = [*COMMON, "trainer.max_steps=3", "data.micro_batch=2", "dist.ranks_per_node=2"]
+    keys = "{zero_optimization:{zero_hpz_partition_size:2,stage3_param_persistence_threshold:5000}}"
+    run_train(tmp_path / "ds", 4, *four, "strategy=deepspeed", "strategy.stage=3",
+              f"strategy.ds_config_overrides={keys}")
+    summary = json.loads((tmp_path / "ds" / "summary.json").read_text())
+    ledger = summary["memory_ledger"]
+    for r, pred in enumerate(ledger["predicted_bytes_per_rank"]):
+        assert summary["memory_per_rank"][r]["mem/model_states_bytes"] == pred["model_states"], (r, pred)
+    terms = {t["what"].split(" (")[0]: t["bytes"] for t in ledger["predicted"]["terms"]}
+    assert terms["hpZ's secondary copy"] > 0 and any(k.startswith("tensors of at most 5,000") for k in terms)
+
+
 def test_deepspeed_hpz_runs_beside_zerolabs_and_its_quantized_collectives_are_refused_on_a_cpu(tmp_path,
                                                                                              deepspeed_ops):
     """ZeRO++ through strategy=deepspeed (Wang et al. 2023), 4 ranks as 2 nodes x 2: hpZ
     (zero_hpz_partition_size=2) trains beside zerolab's strategy.hpz; both are stage 3 with a
     secondary copy inside the node, the same fp32 math as ddp, so each is within TOL_FP32 of a 4-rank
     ddp run (the module docstring's argument; the sums are reordered over 4 ranks instead of 2).
+    DeepSpeed's secondary copy (ds_secondary_tensor: each tensor padded to N = 4, cut over n = 2) is
+    in the ledger: every rank's model states equal the prediction, which holds that term.
     DeepSpeed's quantized collectives need its QuantizerBuilder kernel, which its CPU accelerator
     lacks: refused before the engine is built, exit 2, naming zerolab's own and the GPU."""
     four = [*COMMON, "data.micro_batch=2", "dist.ranks_per_node=2"]
@@ -194,6 +212,19 @@ def test_deepspeed_hpz_runs_beside_zerolabs_and_its_quantized_collectives_are_re
     for name in ("ds", "own"):
         diff = rel_l2_diff(load_weights(tmp_path / name), ddp)
         assert diff < TOL_FP32, f"{name} hpZ vs ddp at 4 ranks: {diff:.3g}"
+    summary = json.loads((tmp_path / "ds" / "summary.json").read_text())
+    ledger, measured = summary["memory_ledger"], summary["memory_per_rank"]
+    assert ledger["warnings"] == [] and not any("not modelled" in n for n in ledger["predicted"]["notes"])
+    for r, pred in enumerate(ledger["predicted_bytes_per_rank"]):
+        assert measured[r]["mem/model_states_bytes"] == pred["model_states"], (r, measured[r], pred)
+    [secondary] = [t for t in ledger["predicted"]["terms"] if "hpZ's secondary copy" in t["what"]]
+    import math
+
+    from zerolab.config import compose
+    from zerolab.memory.shapes import shape_from_model_config
+
+    sizes = [math.prod(x) for x in shape_from_model_config(compose(four, world_size=4).model).shapes]
+    assert secondary["bytes"] == 4 * sum(-(-x // 4) * 4 // 2 for x in sizes), secondary  # fp32: 4 bytes
     quantized = "strategy.ds_config_overrides={zero_optimization:{zero_quantized_weights:true}}"
     proc = run_train(tmp_path / "q", 2, *COMMON, "strategy=deepspeed", "strategy.stage=3", quantized, check=False)
     out = proc.stdout + proc.stderr

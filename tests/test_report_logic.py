@@ -109,6 +109,84 @@ def test_deepspeed_client_lamb_mismatch_names_the_flat_groups(tmp_path):
     assert "cause" not in parity(run0, base)
 
 
+# ---- lossy runs: held within a loss band (zerolab/report/band.py) ----------------------------------
+QUANTIZED = {"name": "zero3", "quantize_weights": True, "quantize_grads": True}
+
+
+def _curve(seed: int, shift: float = 0.0, n: int = 60, sigma: float = 0.02) -> list[dict]:
+    """A logged loss curve: a linear trend plus white noise (the noise of seed `seed`)."""
+    rng = random.Random(seed)
+    return [{"step": s, "loss": 3.0 - 0.005 * s + rng.gauss(0, sigma) + shift * (s > 1), "lr": 1e-3,
+             "grad_norm": 1.0} for s in range(1, n + 1)]
+
+
+def _banded(tmp, run_strategy, base_strategy, shift, weight_shift=0.0, steps=60):
+    tmp.mkdir(exist_ok=True)
+    base = _run(tmp, "base", _weights(), LOGITS, noise={}, strategy=base_strategy)
+    run = _run(tmp, "run", _weights(weight_shift=weight_shift), LOGITS, noise={}, strategy=run_strategy)
+    base.metrics, run.metrics = _curve(0, n=steps), _curve(0, shift, n=steps)  # the same batches: the same noise
+    return parity(run, base)
+
+
+def test_a_quantized_run_is_never_a_match(tmp_path):
+    p = _banded(tmp_path, QUANTIZED, None, shift=0.0)  # identical weights, logits and losses
+    assert p["status"] == "quantized: within band" and p["lossy"]
+    assert "int8 weight all-gathers (qwZ)" in p["detail"] and "‖Δw‖/‖w‖ 0.00e+00" in p["detail"]
+
+
+def test_the_band_holds_a_small_difference_and_refuses_a_large_one(tmp_path):
+    # σ = 0.02: the trajectory term alone is 4·√2·σ ≈ 0.11; qwZ's forward term Z·‖g‖·max|w|/127 ≈ 0.06
+    inside = _banded(tmp_path / "a", QUANTIZED, None, shift=0.05, weight_shift=0.04)
+    assert inside["status"] == "quantized: within band", inside["detail"]
+    assert "at all 60 logged steps" in inside["detail"] and "forward" in inside["detail"]
+    outside = _banded(tmp_path / "b", QUANTIZED, None, shift=0.5)
+    assert outside["status"] == "quantized: OUTSIDE BAND" and "at 59 of 60 logged steps" in outside["detail"]
+
+
+def test_a_spike_a_step_later_stays_within_and_one_the_baseline_lacks_does_not(tmp_path):
+    """The baseline's loss spike widens its band nearby (the burst window): the same spike one step
+    later in the other run is inside (as training spikes are, at random steps); a spike of the same
+    height where the baseline's curve is quiet is not."""
+    base = _run(tmp_path, "base", _weights(), LOGITS, noise={})
+    run = _run(tmp_path, "run", _weights(), LOGITS, noise={}, strategy=QUANTIZED)
+    spike = lambda curve, at: [{**r, "loss": r["loss"] + 0.6 * (r["step"] == at)} for r in curve]
+    base.metrics, run.metrics = spike(_curve(0), 30), spike(_curve(0), 31)
+    assert parity(run, base)["status"] == "quantized: within band"
+    base.metrics = _curve(0)
+    assert parity(run, base)["status"] == "quantized: OUTSIDE BAND"
+
+
+def test_a_quantized_baseline_bands_an_exact_run_too(tmp_path):
+    p = _banded(tmp_path, None, {"name": "zero3", "quantize_grads": True}, shift=0.01)
+    assert p["status"] == "quantized: within band" and p["detail"].startswith("the baseline (zero3)")
+    assert "forward 0.00e+00" in p["detail"]  # qgZ alone rounds no weight the forward uses
+
+
+def test_without_a_loss_curve_there_is_no_band(tmp_path):
+    p = _banded(tmp_path, QUANTIZED, None, shift=0.0, steps=12)
+    assert p["status"] == "quantized: no band" and "12 common logged steps" in p["detail"]
+
+
+def test_step_noise_recovers_white_noise_around_a_trend():
+    from zerolab.report.band import step_noise
+
+    for seed in range(3):  # a curved trend: its second differences (1.5e-6) are far below the noise's
+        losses = [r["loss"] - 1e-4 * r["step"] ** 1.5 for r in _curve(seed, n=200, sigma=0.05)]
+        got = step_noise(losses)
+        assert all(0.7 * 0.05 < g < 1.4 * 0.05 for g in got), (seed, min(got), max(got))
+
+
+def test_only_zero3s_quantized_collectives_are_lossy():
+    from zerolab.strategies import strategy_class
+
+    zero3 = strategy_class("zero3")
+    assert zero3.lossy({"strategy": {"name": "zero3"}}) is None
+    assert zero3.lossy({"strategy": {"name": "zero3", "hpz": True}}) is None  # the same bytes, other links
+    assert zero3.lossy({"strategy": QUANTIZED}).forward_levels == 127
+    assert zero3.lossy({"strategy": {"name": "zero3", "quantize_grads": True}}).forward_levels == 0
+    assert strategy_class("ddp").lossy({"strategy": {"name": "ddp"}}) is None
+
+
 # ---- step-time verdicts --------------------------------------------------------------------------
 def _steps(rng: random.Random, median_ms: float, n: int = 30, spread: float = 0.08) -> list[float]:
     """Step times with a multiplicative spread and a few slow outliers, as on a shared CPU."""

@@ -157,7 +157,7 @@ def test_16bit_gradient_shard_loses_nothing_without_accumulation(ctx, tmp_path):
             for step in range(3):
                 trainer.train_step(step)
             final[accum, reduce_dtype] = trainer.strategy.consolidated_state_dict()
-            grad_dtype[reduce_dtype] = trainer.strategy.grad_shards[0].dtype
+            grad_dtype[reduce_dtype] = trainer.strategy.grad_shards[0][0].dtype
             close(trainer)
     assert grad_dtype == {"auto": torch.bfloat16, "fp32": torch.float32}
     a, b = final[1, "auto"], final[1, "fp32"]

@@ -18,6 +18,7 @@ from typing import List, Optional
 from omegaconf import DictConfig, OmegaConf
 
 from zerolab.errors import ConfigError, launch_rank
+from zerolab.precision_modes import check_precision_modes
 from zerolab.schema import (BY_STRATEGY, DATA_KINDS, DECAYS, FAULT_MODES, FAULT_PHASES, LR_SCALING, MODEL_KINDS,
                             OPTIMIZERS, PRECISIONS, RECORD_CUT, WANDB_MODES, Config, DataConfig, DistConfig,
                             FaultConfig, LoggingConfig, ModelConfig, OptimConfig, PrecisionConfig, _choice, _positive,
@@ -47,6 +48,7 @@ def validate(cfg: DictConfig | Config, world_size: Optional[int] = None) -> Conf
     _choice("strategy.reduce_dtype", cfg.strategy.reduce_dtype, ("auto", "fp32"))
     strategy = strategy_class(cfg.strategy.name)
     strategy.check_config(cfg, world)  # what this strategy cannot honour
+    check_precision_modes(cfg, strategy, {n: strategy_class(n) for n in REGISTRY})  # precision.master, ...
     warn_unused_settings(cfg, strategy)
     return cfg
 

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field, replace
 
 from zerolab.activations import predict_activations
 from zerolab.precision import COMPUTE_BYTES
+from zerolab.precision_modes import Mode
 from zerolab.memory import Prediction, human_bytes, load_model_config, shape_from_model_config, sweep_predictions
 from zerolab.memory.peak import predicted_peak
 from zerolab.predict import cli as predict_cli
@@ -93,7 +94,8 @@ class Fit:
 
 class Planner:
     def __init__(self, mcfg, world: int, seq: int, precision: str = "bf16", optim: str = "adamw",
-                 device: str = "cuda", bucket_mb: float = 25.0, every_k: int = 2, activations=None):
+                 device: str = "cuda", bucket_mb: float = 25.0, every_k: int = 2, activations=None,
+                 mode: Mode = Mode()):
         """`activations(micro_batch, checkpointing)` -> an activation prediction; default
         zerolab.activations' formula for zerolab's models (a user's model: rehearsal.activation_model)."""
         if world < 1:
@@ -108,9 +110,10 @@ class Planner:
             mcfg, b, seq, precision, device, checkpointing=ck, every_k=every_k))
         self.shape = shape_from_model_config(mcfg)
         # Every strategy (and stage) the memory sweep lists, in the registry's order; those that
-        # cannot run `precision` are left out (memory.sweep_predictions).
+        # cannot run `precision` or hold the master as `mode` says are left out (memory.sweep_predictions).
         self.states: dict[str, Prediction] = {
-            label: row[0] for label, row in sweep_predictions(self.shape, [world], precision, optim, bucket_mb).items()}
+            label: row[0] for label, row in sweep_predictions(self.shape, [world], precision, optim, bucket_mb,
+                                                              mode=mode).items()}
 
     def peak(self, label: str, micro_batch: int, checkpointing: str) -> tuple[int, dict, str]:
         """(peak bytes, bytes by category at that moment, the moment: backward | step)."""
@@ -199,6 +202,12 @@ def model_overrides(mcfg) -> list[str]:
     """A derived GPT shape (--params) as the overrides that build it."""
     keys = ("n_layer", "n_embd", "n_head", "vocab_size", "block_size", "dropout", "bias")
     return ["model=gpt_tiny", f"model.name={mcfg.name}", *(f"model.{k}={getattr(mcfg, k)}" for k in keys)]
+
+
+def mode_of(job: list[str]) -> Mode:
+    """The master/state mode a plan's overrides ask for (precision.master=remainder, ...)."""
+    given = dict(o.split("=", 1) for o in job if o.startswith("precision.") and "=" in o)
+    return Mode.of({k[len("precision."):]: v for k, v in given.items()})
 
 
 def row_overrides(planner: Planner, job: list[str], fit: Fit, mb: int) -> list[str]:
@@ -331,7 +340,8 @@ def cli_main(argv: list[str]) -> int:
             raise ValueError(f"--margin={args.margin} must be in [0, 1)")
         mcfg, job, activations = _model(args)
         planner = Planner(mcfg, args.world, args.seq or mcfg.block_size, args.precision, args.optim,
-                          "cpu (rehearsed)" if activations else args.device, args.bucket_mb, activations=activations)
+                          "cpu (rehearsed)" if activations else args.device, args.bucket_mb, activations=activations,
+                          mode=mode_of(job))
         topo = predict_cli.topology(args, args.world) if args.hardware else None
         micro_batches = sorted({int(b) for b in args.micro_batches.split(",")})
         if min(micro_batches) < 1:

@@ -5,6 +5,9 @@
   fp16       as bf16 with fp16, plus dynamic loss scaling (fp16's range is too small for grads)
   bf16_pure  bf16 weights updated in place, no master copy: an opt-in demonstration of why
              master weights matter (small updates vanish in bf16's 8-bit mantissa)
+Below the 16 bytes (zerolab/precision_modes.py says which apply where): precision.master holds the
+bf16 run's master as the weight plus a 16-bit remainder (exact) or as the weight alone (lossy),
+precision.optim_states keeps the optimizer's state in bf16; the update is computed in fp32.
 """
 from __future__ import annotations
 
@@ -14,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from zerolab.master import rebuild, round_to_bf16_, split_
 from zerolab.schema import PrecisionConfig
 
 log = logging.getLogger(__name__)
@@ -120,6 +124,10 @@ class Precision:
     compute_dtype: torch.dtype
     master_weights: bool
     scaler: LossScaler
+    master: str = "fp32"  # precision.master: fp32 | remainder | bf16
+    optim_states: str = "fp32"  # precision.optim_states: fp32 | bf16
+    grad_shard: str = "fp32"  # precision.grad_shard: fp32 | bf16
+    weight_rounding: str = "nearest_even"  # resolved from precision.weight_rounding (auto)
 
     @classmethod
     def from_config(cls, cfg: PrecisionConfig, device: torch.device = torch.device("cpu")) -> "Precision":
@@ -127,8 +135,20 @@ class Precision:
             log.warning("precision=bf16_pure: the optimizer updates bf16 weights directly, with no fp32 "
                         "master copy. Updates smaller than ~0.4% of a weight are lost. This mode exists "
                         "to show why master weights matter; use precision=bf16 to train.")
+        rounding = cfg.weight_rounding
+        if rounding == "auto":
+            rounding = "nearest_away" if cfg.master == "remainder" else "nearest_even"
         return cls(cfg.name, _DTYPES[cfg.name], cfg.name in MIXED,
-                   LossScaler(cfg, enabled=cfg.name == "fp16", device=device))
+                   LossScaler(cfg, enabled=cfg.name == "fp16", device=device),
+                   cfg.master, cfg.optim_states, cfg.grad_shard, rounding)
+
+    def storage(self) -> dict:
+        """The optimizer group keys that say how this precision stores what the optimizer updates
+        (zerolab/optim/stored.py); {} for the usual fp32 master and fp32 state."""
+        keys = {"master_storage": self.master} if self.master != "fp32" else {}
+        if self.optim_states == "bf16":
+            keys["state_dtype"] = torch.bfloat16
+        return keys
 
     @property
     def update_dtype(self) -> torch.dtype:
@@ -136,14 +156,45 @@ class Precision:
         return UPDATE_DTYPES[self.name]
 
 
+def face(shape, device) -> torch.nn.Parameter:
+    """An fp32 parameter of `shape` that holds no memory: what the optimizer updates where the
+    master lives elsewhere (zerolab/optim/stored.py reads and writes the storage); it carries the
+    fp32 gradient and keys the optimizer state."""
+    p = torch.nn.Parameter(torch.zeros(1, dtype=torch.float32, device=device).expand(shape))
+    p.untyped_storage().resize_(0)  # (after wrapping: on fake tensors the parameter gets a storage of its own)
+    return p
+
+
 class MasterCopy:
     """FP32 master weights for unsharded strategies: the optimizer updates these, the model's
-    16-bit weights are refreshed from them after every step."""
+    16-bit weights are refreshed from them after every step. With precision.master=remainder or
+    bf16 the master is not a copy: the optimizer updates fp32 faces (face()) and writes the model's
+    bf16 weights (and the int16 remainders) itself; groups() gives it the keys that say so."""
 
-    def __init__(self, params: list[torch.nn.Parameter]):
+    def __init__(self, params: list[torch.nn.Parameter], precision: "Precision | None" = None):
         self.model_params = params
-        self.master = [torch.nn.Parameter(p.detach().float().clone()) for p in params]
-        self.by_model = {id(p): m for p, m in zip(params, self.master)}
+        self.precision = precision
+        self.mode = precision.master if precision is not None else "fp32"
+        if self.mode == "fp32":
+            self.master = [torch.nn.Parameter(p.detach().float().clone()) for p in params]
+        else:  # the master starts as the weight itself: remainder 0
+            self.master = [face(p.shape, p.device) for p in params]
+        self.remainders = [torch.zeros_like(p, dtype=torch.int16) for p in params] if self.mode == "remainder" else []
+
+    def groups(self, param_groups: list[dict]) -> list[dict]:
+        """The optimizer's param groups over the master (and how it is stored)."""
+        index = {id(p): i for i, p in enumerate(self.model_params)}
+        keys = self.precision.storage() if self.precision is not None else {}
+        out = []
+        for g in param_groups:
+            ids = [index[id(p)] for p in g["params"]]
+            group = {**g, "params": [self.master[i] for i in ids], **keys}
+            if self.mode != "fp32":
+                group["weights"] = [self.model_params[i] for i in ids]
+            if self.mode == "remainder":
+                group["remainders"] = [self.remainders[i] for i in ids]
+            out.append(group)
+        return out
 
     def grads_to_master(self) -> None:
         for p, m in zip(self.model_params, self.master):
@@ -151,8 +202,33 @@ class MasterCopy:
 
     @torch.no_grad()
     def master_to_model(self) -> None:
+        if self.mode != "fp32":
+            return  # the optimizer wrote the weights
+        rounding = self.precision.weight_rounding if self.precision is not None else "nearest_even"
         for p, m in zip(self.model_params, self.master):
-            p.copy_(m)
+            round_to_bf16_(m, p, rounding) if p.dtype == torch.bfloat16 else p.copy_(m)
+
+    def fp32(self, i: int) -> torch.Tensor:
+        """Parameter i's fp32 master, exactly (a copy where it is stored as a pair)."""
+        if self.mode == "fp32":
+            return self.master[i].detach()
+        if self.mode == "remainder":
+            return rebuild(self.model_params[i].detach(), self.remainders[i])
+        return self.model_params[i].detach().float()
+
+    @torch.no_grad()
+    def load_fp32(self, i: int, value: torch.Tensor) -> None:
+        """Set parameter i's master (and so its weight) from fp32 `value`."""
+        value = value.to(device=self.model_params[i].device, dtype=torch.float32).reshape(self.model_params[i].shape)
+        if self.mode == "fp32":
+            self.master[i].copy_(value)
+            round_to_bf16_(self.master[i], self.model_params[i], self.precision.weight_rounding) \
+                if self.precision is not None and self.model_params[i].dtype == torch.bfloat16 \
+                else self.model_params[i].copy_(value)
+        elif self.mode == "remainder":
+            split_(value.contiguous(), self.model_params[i].data, self.remainders[i])
+        else:
+            self.model_params[i].copy_(value)
 
 
 def grad_norm_sq(grads: list[torch.Tensor]) -> torch.Tensor:

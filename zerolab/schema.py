@@ -202,6 +202,17 @@ class PrecisionConfig:
     initial_scale: float = setting(65536.0, applies=FP16)  # fp16 dynamic loss scaling
     growth_interval: int = setting(1000, applies=FP16)
     min_scale: float = setting(1.0, applies=FP16)
+    # Below the 16 bytes (docs/optim-precision.md; zerolab/master.py, zerolab/precision_modes.py). How the master
+    # is held under bf16: fp32 (a copy, 4 bytes) | remainder (the bf16 weight plus the master's low 16 bits:
+    # exact, 2 bytes) | bf16 (the bf16 weight is the master: lossy, 0 bytes); the update is computed in fp32
+    master: str = setting("fp32", applies=BY_STRATEGY)
+    # The optimizer's per-element state (Adam's moments, momentum): fp32 | bf16 (stored rounded: lossy)
+    optim_states: str = setting("fp32", applies=BY_STRATEGY)
+    # A ZeRO gradient shard between backward and the step, under bf16: fp32 | bf16 (16-bit sums under accumulation)
+    grad_shard: str = setting("fp32", applies=BY_STRATEGY)
+    # How bf16 weights are derived from an fp32 master: auto (nearest_away with master=remainder, else
+    # nearest_even) | nearest_even (torch's cast) | nearest_away (ties away from zero, the remainder's rounding)
+    weight_rounding: str = setting("auto", applies=BY_STRATEGY)
 
 
 @dataclass

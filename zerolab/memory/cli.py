@@ -13,6 +13,7 @@ from zerolab.memory.paper import (format_paper, gb_figure, paper_bytes, paper_fo
 from zerolab.memory.prediction import predict, predicted_strategies, prediction_dict
 from zerolab.memory.shapes import load_model_config, optimizer_state_elements, shape_from_model_config
 from zerolab.precision import COMPUTE_BYTES
+from zerolab.precision_modes import GRAD_SHARDS, MASTERS, OPTIM_STATES, TABLE_MODES, Mode
 from zerolab.strategies import strategy_class
 
 
@@ -56,16 +57,19 @@ def format_table(pred: Prediction, reference: Prediction | None = None) -> str:
 
 
 def sweep_predictions(shape: ModelShape, worlds: list[int], precision: str, optim: str, bucket_mb: float = 25.0,
-                      state_elements: float | None = None) -> dict[str, list[Prediction]]:
+                      state_elements: float | None = None, mode: Mode = Mode()) -> dict[str, list[Prediction]]:
     """Rank 0's prediction for each strategy (each of its Traits.sweep_stages) at each world
-    size, in the registry's order; strategies that cannot run `precision` are left out."""
+    size, in the registry's order; strategies that cannot run `precision`, or do not hold their
+    master and state as `mode` says (precision.master, ...), are left out."""
     k = optimizer_state_elements(optim) if state_elements is None else state_elements
     out = {}
     for strategy in predicted_strategies():
+        if not all(strategy_class(strategy).reads(key, None) for key in mode.keys):
+            continue
         for stage in strategy_class(strategy).traits.sweep_stages:
             try:
                 row = [predict(shape, strategy, w, precision, optim, stage=stage, bucket_mb=bucket_mb,
-                               state_elements=k) for w in worlds]
+                               state_elements=k, mode=mode) for w in worlds]
             except NotPredicted:
                 continue
             out[row[0].strategy] = row
@@ -114,6 +118,40 @@ def plot_sweep(path: str, shape: ModelShape, worlds: list[int], table: dict[str,
     plt.close(fig)
 
 
+# ---- below the paper's floor: a column per master/state mode ------------------------------------
+def mode_rows() -> list[tuple[str, int]]:
+    """(name, ZeRO stage) of every strategy that holds its own master (reads precision.master)."""
+    return [(n, strategy_class(n).traits.stage) for n in predicted_strategies()
+            if strategy_class(n).reads("precision.master", None)]
+
+
+def format_modes(shape: ModelShape, world: int, optim: str, bucket_mb: float = 25.0) -> str:
+    """Model-state bytes per parameter on rank 0 under bf16, as the ledger predicts them (padding
+    included), for every mode of zerolab/precision_modes.py's TABLE_MODES beside the ZeRO paper's
+    figure; GB per rank below each row."""
+    head = f"{'':<7}{'paper':>8}" + "".join(f"{i + 1:>8}" for i in range(len(TABLE_MODES)))
+    lines = [f"{shape.name}: {fmt_n(shape.n_params)} parameters | N = {world} | bf16 | {optim} | model states on "
+             "rank 0 per parameter, bytes (the ledger, padding included)", "", head]
+    for name, stage in mode_rows():
+        cells, gbs = [], []
+        for m in TABLE_MODES:
+            if not all(strategy_class(name).reads(key, None) for key in m.keys):
+                cells.append(f"{'-':>8}")
+                gbs.append(f"{'-':>8}")
+                continue
+            states = predict(shape, name, world, "bf16", optim, bucket_mb=bucket_mb, mode=m).bytes()["model_states"]
+            cells.append(f"{states / shape.n_params:>8.4g}")
+            gbs.append(f"{states / 1e9:>8.3g}")
+        paper = paper_bytes(predict(shape, name, world, "bf16", optim, bucket_mb=bucket_mb))
+        lines.append(f"{name:<7}{paper / shape.n_params:>8.4g}" + "".join(cells))
+        lines.append(f"{'  GB':<7}{paper / 1e9:>8.3g}" + "".join(gbs))
+    lines += ["", "columns: " + "; ".join(f"{i + 1} {m.label}" + (" (lossy)" if m.lossy else "")
+                                          for i, m in enumerate(TABLE_MODES)),
+              "paper: Rajbhandari et al. 2019's (2 + 2 + K) bytes split by stage; a bf16 gradient shard is lossless "
+              "where micro-batches are not summed in it (the reduction is bf16 already)"]
+    return "\n".join(lines)
+
+
 # ---- the CLI: python -m zerolab memory ------------------------------------------------------
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m zerolab memory",
@@ -131,6 +169,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--precision", default="bf16", choices=list(COMPUTE_BYTES))
     p.add_argument("--optim", default="adamw", help="adamw | adam | lamb | lars | sgd | sgd_momentum")
     p.add_argument("--bucket-mb", type=float, default=25.0, help="gradient bucket size (strategy.bucket_mb)")
+    p.add_argument("--master", default="fp32", choices=MASTERS,
+                   help="precision.master under bf16: fp32 (a copy), remainder (exact, 2 bytes), bf16 (lossy)")
+    p.add_argument("--optim-states", default="fp32", choices=OPTIM_STATES, help="precision.optim_states under bf16")
+    p.add_argument("--grad-shard", default="fp32", choices=GRAD_SHARDS, help="precision.grad_shard under bf16")
+    p.add_argument("--modes", action="store_true",
+                   help="bytes per parameter per rank of every master/state mode (a column each) beside the paper's, "
+                        "for every strategy that holds its own master, at --world")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.add_argument("--sweep-world", help="comma-separated world sizes, e.g. 1,2,4,8,16,64: one line per strategy")
     p.add_argument("--plot", help="with --sweep-world: also write this PNG (GB per rank against N)")
@@ -170,8 +215,12 @@ def _one(args, shape: ModelShape) -> tuple[Prediction, Prediction | None]:
     stage beside it, where the strategy names one (and it can run this precision)."""
     if not 0 <= args.rank < args.world:
         raise ValueError(f"--rank={args.rank} must be in [0, --world={args.world})")
+    mode = Mode(args.master, args.optim_states, args.grad_shard)
+    if mode != Mode() and args.precision != "bf16":
+        raise ValueError(f"--master/--optim-states/--grad-shard hold a bf16 run's master and state otherwise; "
+                         f"give --precision bf16 (not {args.precision})")
     pred = predict(shape, args.strategy, args.world, args.precision, args.optim, stage=args.stage,
-                   bucket_mb=args.bucket_mb, rank=args.rank)
+                   bucket_mb=args.bucket_mb, rank=args.rank, mode=mode)
     reference = None
     if strategy_class(args.strategy).traits.memory_reference is not None:
         other, stage = strategy_class(args.strategy).traits.memory_reference
@@ -193,6 +242,9 @@ def cli_main(argv: list[str]) -> int:
             shape_from_model_config(load_model_config(args.model))
         if args.sweep_world:
             _sweep(args, shape)
+            return 0
+        if args.modes:
+            print(format_modes(shape, args.world, args.optim, args.bucket_mb))
             return 0
         pred, reference = _one(args, shape)
     except (ValueError, NotImplementedError) as e:

@@ -10,6 +10,7 @@ import logging
 from zerolab.memory.peak import PEAK_WARN_RATIO, Peak, predicted_peak
 from zerolab.accounting import CATEGORIES, MODEL_STATES, Prediction
 from zerolab.memory.prediction import predict, prediction_dict
+from zerolab.precision_modes import Mode
 from zerolab.memory.shapes import optimizer_state_elements, shape_from_model, shape_from_model_config
 from zerolab.strategies import strategy_class
 
@@ -30,7 +31,7 @@ def ledger_for_run(cfg, world_size: int, model=None, ranks_per_node: int | None 
         settings = {f.name: getattr(s, f.name) for f in dataclasses.fields(s)}
         one = lambda r: predict(shape, s.name, world_size, cfg.precision.name, cfg.optim.name, stage=s.stage,
                                 bucket_mb=s.bucket_mb, reduce_dtype=s.reduce_dtype, state_elements=k, rank=r,
-                                ranks_per_node=ranks_per_node, settings=settings)
+                                ranks_per_node=ranks_per_node, settings=settings, mode=Mode.of(cfg.precision))
         first = one(0)  # an unknown strategy fails here, as a ValueError
         if strategy_class(s.name).traits.uneven_memory:  # ranks hold different amounts
             return [first] + [one(r) for r in range(1, world_size)]

@@ -10,6 +10,7 @@ from __future__ import annotations
 from zerolab.accounting import ModelShape, Prediction
 from zerolab.memory.shapes import optimizer_state_elements
 from zerolab.precision import COMPUTE_BYTES
+from zerolab.precision_modes import Mode
 from zerolab.strategies import REGISTRY, strategy_class
 
 def prediction_dict(pred: Prediction) -> dict:
@@ -34,11 +35,12 @@ def predicted_strategies() -> list[str]:
 def predict(shape: ModelShape, strategy: str, world: int = 1, precision: str = "bf16", optim: str = "adamw",
             stage: int = 0, bucket_mb: float = 25.0, state_elements: float | None = None,
             reduce_dtype: str = "auto", rank: int = 0, ranks_per_node: int | None = None,
-            settings: dict | None = None) -> Prediction:
+            settings: dict | None = None, mode: Mode = Mode()) -> Prediction:
     """Predicted bytes on one rank. `state_elements` overrides the measured optimizer state
     (elements per parameter), e.g. for tests of the formulas; `ranks_per_node` (default: all on
     one node) lays the ranks out in nodes; `settings`: the run's whole strategy section as a dict,
-    for settings the keywords do not carry (a library's own config overrides)."""
+    for settings the keywords do not carry (a library's own config overrides); `mode`: how a bf16
+    run holds its master and state (precision.master, ...: zerolab/precision_modes.py)."""
     if world < 1:
         raise ValueError(f"--world must be >= 1, got {world}")
     if precision not in COMPUTE_BYTES:
@@ -52,7 +54,7 @@ def predict(shape: ModelShape, strategy: str, world: int = 1, precision: str = "
     pred = Prediction(label, precision, optim, world, shape.name, shape.n_params, k, stage=zero_stage)
     model.predict_memory(pred, shape, world=world, precision=precision, k=k, stage=stage, bucket_mb=bucket_mb,
                          reduce_dtype=reduce_dtype, rank=rank, ranks_per_node=ranks_per_node or world,
-                         settings=settings or {})
+                         settings=settings or {}, mode=mode)
     return pred
 
 

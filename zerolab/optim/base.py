@@ -30,6 +30,7 @@ from typing import Iterable, Iterator
 
 import torch
 
+from zerolab.optim import stored
 from zerolab.optim.segments import LOW_PRECISION, is_flat_group, per_tensor_sum_sq, upcast
 
 IMPLS = ("auto", "foreach", "for_loop")
@@ -51,6 +52,7 @@ class ZerolabOptimizer(torch.optim.Optimizer):
         self._found_inf: torch.Tensor | None = None  # step_unless's flag, fp32 0-dim, during step() only
         self._update_stats: list[dict] = []
         self._trust_ratios: list[torch.Tensor] = []
+        self.last_working_bytes = 0  # the last step's largest set of fp32 copies of stored groups (stored.py)
 
     # ---- helpers for subclasses ---------------------------------------------------------------
     def _live(self, group: dict) -> tuple[list[torch.Tensor], list[torch.Tensor], list[str]]:
@@ -254,23 +256,31 @@ class ZerolabOptimizer(torch.optim.Optimizer):
 
     # ---- the optimizer's side of the metrics ------------------------------------------------
     def step(self, closure=None):
-        self._update_stats, self._trust_ratios = [], []
+        self._update_stats, self._trust_ratios, self.last_working_bytes = [], [], 0
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         with torch.no_grad():
             for group in self.param_groups:
-                self._step_group(group)
+                if stored.is_stored(group):  # values kept in other dtypes (stored.py): fp32 copies, piece by piece
+                    stored.step_group(self, group)
+                else:
+                    self._step_group(group)
         return loss
 
     def _step_group(self, group: dict) -> None:
         raise NotImplementedError
 
+    def _layerwise(self, group: dict) -> bool:
+        """Whether the group's update needs norms of whole tensors (LAMB's and LARS's trust ratios)."""
+        return False
+
     def skips_on_device(self) -> bool:
         """Whether step_unless can skip this step without the host: every group with a gradient
         runs a kernel that takes the flag."""
-        return all(self._fused_group(g) for g in self.param_groups if any(p.grad is not None for p in g["params"]))
+        return all(stored.fuses(self, g) if stored.is_stored(g) else self._fused_group(g)
+                   for g in self.param_groups if any(p.grad is not None for p in g["params"]))
 
     def step_unless(self, found_inf: torch.Tensor) -> None:
         """step(), except that nothing changes (weights, state, step counters) where the 0-dim

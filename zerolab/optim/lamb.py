@@ -33,6 +33,9 @@ class Lamb(ZerolabOptimizer):
                         bias_correction=bias_correction, max_trust_ratio=max_trust_ratio, trust_ratio=trust_ratio)
         super().__init__(params, defaults, impl)
 
+    def _layerwise(self, group: dict) -> bool:
+        return group["trust_ratio"]
+
     def _step_group(self, group: dict) -> None:
         live = self._adam_state(group)
         if live is None:

@@ -28,6 +28,9 @@ class Lars(ZerolabOptimizer):
                         eps=eps, max_trust_ratio=max_trust_ratio, trust_ratio=trust_ratio)
         super().__init__(params, defaults, impl)
 
+    def _layerwise(self, group: dict) -> bool:
+        return group["trust_ratio"]
+
     def _step_group(self, group: dict) -> None:
         params, grads, names = self._live(group)
         if not params:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional
 
+from zerolab.report.band import band_verdict, loss_band
 from zerolab.report.runs import Run, strategy_class
 
 
@@ -111,7 +112,30 @@ def parity(run: Run, base: Run) -> dict:
         return {**out, "status": "n/a (precision differs)"}
     if any(x != y for x, y in same):
         return {**out, "status": "n/a (steps/batch/model/optimizer differ)"}
-    return {**out, **verdict(run, base, rel_by, tol, fn, ftol)}
+    banded = held_in_band(run, base, a, b, fn)
+    return {**out, **(banded or verdict(run, base, rel_by, tol, fn, ftol))}
+
+
+def held_in_band(run: Run, base: Run, a: dict, b: dict, fn: Optional[dict]) -> Optional[dict]:
+    """The verdict of a run that rounds on purpose (or whose baseline does: Strategy.lossy), held
+    within its loss band (zerolab/report/band.py) instead of match/MISMATCH; None when neither does."""
+    lossy = [(who, r, _lossy(r)) for who, r in (("the run", run), ("the baseline", base))]
+    named = [(who, r, x) for who, r, x in lossy if x is not None]
+    if not named:
+        return None
+    levels = tuple(x.forward_levels if x else 0 for _, _, x in lossy)
+    max_weight = max(max(t.abs().max().item() for t in w.values()) for w in (a, b))
+    decay = float(run.config.get("optim", {}).get("weight_decay", 0.0) or 0.0)
+    band = loss_band(run.metrics, base.metrics, levels, max_weight, decay)
+    diff = sum((a[k].double() - b[k].double()).pow(2).sum().item() for k in b)
+    norm = sum(b[k].double().pow(2).sum().item() for k in b)
+    what = "; ".join(f"{who} ({r.label}): {x.what}" for who, r, x in named)
+    return band_verdict(named[0][2].kind, what, band, (diff / max(norm, 1e-24)) ** 0.5, fn)
+
+
+def _lossy(run: Run):
+    cls = strategy_class(run.strategy)
+    return cls.lossy(run.config) if cls else None
 
 
 def verdict(run: Run, base: Run, rel_by: dict, tol: float, fn: Optional[dict], ftol: float) -> dict:

@@ -11,7 +11,7 @@ A strategy is a small core plus what it declares (docs/writing-a-strategy.md lis
   optional   backward, no_sync, close, restore_step, settle; checkpoint_state and
              load_checkpoint_state for checkpoint_format "pieces" (a "native" one also mixes in
              strategies/native.py's NativeCheckpoint)
-  classes    check_config, reads, label, known_cause, predict_memory, memory_identity
+  classes    check_config, reads, label, known_cause, lossy, predict_memory, memory_identity
 
 The arithmetic of the step (the global norm, unscale, clip, skip) is zerolab/numerics.py's; a
 strategy hands its fp32 gradients to `_update` and gets a StepInfo back.
@@ -37,6 +37,7 @@ from zerolab.dist import DistContext
 from zerolab.errors import ConfigError
 from zerolab.numerics import StepInfo
 from zerolab.precision import Precision
+from zerolab.precision_modes import MODE_KEYS, lossy_settings
 from zerolab.schema import Config, StrategySettings, settings_for
 from zerolab.strategies.transient import TransientPeak
 
@@ -45,6 +46,10 @@ OptimizerFactory = Callable[[list[dict]], torch.optim.Optimizer]
 # `_update` reads (trainer.nonfinite) and what zerolab's optimizers take (their kernel, per-layer
 # statistics). A strategy that steps another library's optimizer declares fewer.
 ZEROLAB_STEP_SETTINGS = frozenset({"trainer.nonfinite", "optim.impl", "logging.layer_stats_every"})
+# How a bf16 run keeps its master and optimizer state below the paper's 16 bytes
+# (zerolab/precision_modes.py): read by the strategies that hold their own master (ddp, zero1/2/3);
+# precision.grad_shard only by zero1/zero2, the strategies that keep an fp32 gradient shard.
+PRECISION_MODE_SETTINGS = frozenset(MODE_KEYS) - {"precision.grad_shard"}
 ON_DEVICE = {c: "device" for c in CATEGORIES}
 
 
@@ -68,6 +73,18 @@ class Traits:
     placement: Mapping[str, str] = field(default_factory=lambda: dict(ON_DEVICE))
 
 
+@dataclass(frozen=True)
+class Lossy:
+    """What makes a run's arithmetic round what the reference computes exactly, on purpose
+    (Strategy.lossy): the report holds such a run within a loss band (zerolab/report/band.py)
+    instead of calling it a match or a mismatch."""
+    kind: str  # the parity status's first word: "quantized" gives "quantized: within band"
+    what: str  # the settings and what they round, in words
+    # L of the forward's weight rounding: each weight the forward computes with is off by at most
+    # max|w|/(2L) (qwZ's int8: 127); 0 when the forward computes with the exact weights
+    forward_levels: int = 0
+
+
 @dataclass
 class ShardPiece:
     tensor: torch.Tensor  # 1-D, elements [start, end) of the flattened full tensor
@@ -86,6 +103,13 @@ def larger_of(before: dict[str, int], now: dict[str, int]) -> dict[str, int]:
     """Bytes by category, the larger of two moments: for strategies that free gradients inside
     their step (FSDP2, DeepSpeed), what existed just before the last update against now."""
     return {k: max(v, before.get(k, 0)) for k, v in now.items()}
+
+
+def precision_lossy(cfg: dict) -> Optional[Lossy]:
+    """The Lossy of a run whose master, optimizer state or gradient sums are kept in bf16 on purpose
+    (precision.master=bf16, ...: zerolab/precision_modes.py), for the strategies that hold them."""
+    settings = lossy_settings(cfg)
+    return Lossy("lossy", "bf16 storage rounds every update (" + ", ".join(settings) + ")") if settings else None
 
 
 class Strategy(abc.ABC):
@@ -204,6 +228,12 @@ class Strategy(abc.ABC):
         return ""
 
     @classmethod
+    def lossy(cls, cfg: dict) -> Optional[Lossy]:
+        """A Lossy when a run's whole config (as a dict) makes this strategy round on purpose what
+        the reference computes exactly (quantized collectives); None when it computes the same math."""
+        return None
+
+    @classmethod
     def predict_memory(cls, pred, shape, *, world: int, precision: str, k: float, stage: int, bucket_mb: float,
                        reduce_dtype: str, rank: int, ranks_per_node: int, settings: dict) -> None:
         """Add this strategy's bytes on rank `rank` of `world` to `pred` (zerolab.accounting's
@@ -301,6 +331,7 @@ class Strategy(abc.ABC):
         opt = self.optimizer
         if not level:
             opt.step() if skip is None else opt.step_unless(skip)
+            self._note_working_copies()
             return {}
         tracks = hasattr(opt, "pop_update_stats")  # zerolab's optimizers; torch's are only timed
         if tracks:
@@ -314,10 +345,19 @@ class Strategy(abc.ABC):
             if tracks:
                 opt.track_updates = False
         extra = {"optim_step_s": time.perf_counter() - t0}
+        self._note_working_copies()
         if tracks:
             extra.update(self._update_ratios(opt.pop_update_stats(), per_tensor=level > 1))
             extra.update(opt.step_stats())
         return extra
+
+    def _note_working_copies(self) -> None:
+        """The fp32 copies a step over a stored master or state made, piece by piece
+        (zerolab/optim/stored.py), for peak accounting: alive during the step, on top of the rest."""
+        working = getattr(self.optimizer, "last_working_bytes", 0)
+        if working:
+            self.transient.alloc(working, "step")
+            self.transient.free(working)
 
     def _update_ratios(self, records: list[dict], per_tensor: bool) -> dict:
         """‖Δw‖/‖w‖ over the whole model (and per tensor) from the optimizer's per-tensor sums of

@@ -6,6 +6,7 @@ fp32 master copy of every weight — the (2 + 2 + 12)Ψ bytes of the ZeRO paper'
 """
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -17,9 +18,11 @@ from zerolab.accounting import MIXED, StorageCounter, dtype_name, is_element_sta
 from zerolab.models import place
 from zerolab.precision import COMPUTE_BYTES
 from zerolab.precision import MasterCopy
+from zerolab.precision_modes import Mode, master_term, working_bytes_per_element
 from zerolab.numerics import StepInfo
 from zerolab.schema import DDPSettings
-from zerolab.strategies.base import OptimizerFactory, ShardPiece, Strategy, Traits, set_lr
+from zerolab.strategies.base import (PRECISION_MODE_SETTINGS, ZEROLAB_STEP_SETTINGS, OptimizerFactory, ShardPiece,
+                                     Strategy, Traits, precision_lossy, set_lr)
 
 
 def _counting_allreduce(state, bucket):
@@ -46,7 +49,7 @@ def _bucket(fut, buffer):
 class DDPStrategy(Strategy):
     name = "ddp"
     # nothing sharded: the baseline every other strategy is compared against
-    traits = Traits(settings=DDPSettings, reference=True)
+    traits = Traits(settings=DDPSettings, reference=True, also_reads=ZEROLAB_STEP_SETTINGS | PRECISION_MODE_SETTINGS)
     checkpoint_format = "pieces"
 
     def setup(self, model: nn.Module, param_groups: list[dict], make_optimizer: OptimizerFactory) -> nn.Module:
@@ -66,9 +69,9 @@ class DDPStrategy(Strategy):
             find_unused_parameters=s.find_unused_parameters or self.ctx.rehearsal,
             init_sync=not self.ctx.rehearsal)
         self.ddp.register_comm_hook((self.comm, None), _counting_allreduce)
-        self.master = MasterCopy(self.params) if self.precision.master_weights else None
-        if self.master:
-            param_groups = [{**g, "params": [self.master.by_model[id(p)] for p in g["params"]]} for g in param_groups]
+        self.master = MasterCopy(self.params, self.precision) if self.precision.master_weights else None
+        if self.master:  # the optimizer updates the master (fp32 copies, or faces: precision.master)
+            param_groups = self.master.groups(param_groups)
         self.optimizer = make_optimizer(param_groups)
         return self.ddp
 
@@ -111,7 +114,7 @@ class DDPStrategy(Strategy):
         c = StorageCounter()
         c.add("params", self.params).add("grads", (p.grad for p in self.params))
         if self.master:
-            c.add("master", self.master.master)
+            c.add("master", self.master.master).add("master", self.master.remainders)
         c.add_optimizer(self.optimizer).add("buffers", self.model.buffers())
         return c.result()
 
@@ -119,10 +122,10 @@ class DDPStrategy(Strategy):
     def consolidated_state_dict(self) -> Optional[dict[str, torch.Tensor]]:
         if not self.ctx.is_main:
             return None
-        master = {id(p): m for p, m in zip(self.params, self.master.master)} if self.master else {}
+        master = {id(p): i for i, p in enumerate(self.params)} if self.master else {}
         out = {}
         for name, t in self.model.state_dict(keep_vars=True).items():
-            src = master.get(id(t), t)
+            src = self.master.fp32(master[id(t)]) if id(t) in master else t
             out[name] = src.detach().float().cpu().clone()
         return out
 
@@ -131,9 +134,10 @@ class DDPStrategy(Strategy):
         if not self.ctx.is_main:
             return {}
         out = {}
-        for name, p in zip(self.names, self._optimizer_params()):
+        for i, (name, p) in enumerate(zip(self.names, self._optimizer_params())):
             shape, n = tuple(p.shape), p.numel()
-            out[f"master/{name}"] = ShardPiece(p.detach().reshape(-1), 0, n, shape)
+            master = self.master.fp32(i) if self.master else p.detach()  # exact fp32 in every precision.master
+            out[f"master/{name}"] = ShardPiece(master.reshape(-1), 0, n, shape)
             for kind, v in self.optimizer.state.get(p, {}).items():
                 if is_element_state(v):  # scalars (Adam's step) go to metadata
                     out[f"{kind}/{name}"] = ShardPiece(v.detach().reshape(-1), 0, n, shape)
@@ -143,25 +147,39 @@ class DDPStrategy(Strategy):
     def load_checkpoint_state(self, read) -> None:
         """Every rank reads the whole of every tensor. torch's optimizers create state lazily, so
         the state entries are created here from the kinds the checkpoint holds."""
-        for name, p in zip(self.names, self._optimizer_params()):
+        state_dtype = self.precision.storage().get("state_dtype", None) if self.master else None
+        for i, (name, p) in enumerate(zip(self.names, self._optimizer_params())):
             n = p.numel()
-            p.copy_(read(f"master/{name}", 0, n).view(p.shape))
+            if self.master:  # the master, and from it the model's weights (rounded, or split: precision.master)
+                self.master.load_fp32(i, read(f"master/{name}", 0, n))
+            else:
+                p.copy_(read(f"master/{name}", 0, n).view(p.shape))
             state = self.optimizer.state[p]
             for kind in read.kinds(name):
-                state[kind] = read(f"{kind}/{name}", 0, n).view(p.shape).to(device=p.device, dtype=p.dtype)
-        if self.master:
-            self.master.master_to_model()
+                state[kind] = read(f"{kind}/{name}", 0, n).view(p.shape).to(device=p.device,
+                                                                            dtype=state_dtype or p.dtype)
+
+    @classmethod
+    def lossy(cls, cfg: dict):
+        return precision_lossy(cfg)  # precision.master=bf16, optim_states=bf16, ... (base.py)
 
     # ---- memory prediction (zerolab.memory asks it; Strategy.predict_memory says how) ----------
     @classmethod
-    def predict_memory(cls, p, shape, *, precision, k, **_) -> None:
+    def predict_memory(cls, p, shape, *, precision, k, mode=Mode(), **_) -> None:
         n, c, dt = shape.n_params, COMPUTE_BYTES[precision], dtype_name(precision)
         p.add("params", n * c, f"{dt} weights: Ψ × {c}")
         p.add("grads", n * c, f"{dt} gradients, views into DDP's all-reduce buckets: Ψ × {c}")
         s = state_bytes(precision)  # the optimizer updates fp32 masters, or the bf16 weights
         if precision in MIXED:
-            p.add("master", n * 4, "fp32 master weights: Ψ × 4")
+            master_term(p, n, mode, "weights")
             p.add("transient", n * 4, "fp32 copies of the gradients while the optimizer steps: Ψ × 4", when="step")
-        p.add("optim_state", n * k * s, f"optimizer state: Ψ × {k:g} elements × {s}")
+        ss = 2 if mode.optim_states == "bf16" else s
+        p.add("optim_state", n * k * ss, f"optimizer state: Ψ × {k:g} elements × {ss}")
+        per = working_bytes_per_element(mode, k)
+        if per:  # the step over a stored master or state works on one whole tensor at a time
+            largest = max(math.prod(t) for _, t in shape.tensors)
+            p.add("transient", largest * per, f"fp32 working copies of the largest tensor's stored master/state "
+                                              f"during the update (zerolab/optim/stored.py): {largest:,} × {per:g}",
+                  when="step")
         if shape.buffer_bytes:
             p.add("buffers", shape.buffer_bytes, "model buffers")

@@ -33,7 +33,7 @@ from zerolab.errors import ConfigError, ZerolabError
 from zerolab.precision import COMPUTE_BYTES
 from zerolab.numerics import StepInfo
 from zerolab.schema import DeepSpeedSettings
-from zerolab.strategies.base import OptimizerFactory, Strategy, Traits, larger_of, set_lr
+from zerolab.strategies.base import Lossy, OptimizerFactory, Strategy, Traits, larger_of, set_lr
 from zerolab.strategies.deepspeed_checkpoint import DeepSpeedCheckpointing
 from zerolab.strategies.deepspeed_memory import ds_zero_config, predict_ds_memory
 
@@ -216,6 +216,14 @@ class DeepSpeedStrategy(DeepSpeedCheckpointing, Strategy):
                     f"flat parameter groups, so the per-tensor trust ratios become one per group")
         return ""
 
+    @classmethod
+    def lossy(cls, cfg: dict):
+        """DeepSpeed 0.19's bf16 master and optimizer states (its bf16 section's keys) round every
+        update: the report holds such a run within a loss band, as zerolab's precision.master=bf16."""
+        bf16 = ((cfg.get("strategy", {}).get("ds_config_overrides") or {}).get("bf16") or {})
+        keys = [k for k in ("bf16_master_weights_and_grads", "bf16_optimizer_states") if bf16.get(k)]
+        return Lossy("lossy", f"DeepSpeed's {' and '.join(keys)} round every update in bf16") if keys else None
+
     def setup(self, model: nn.Module, param_groups: list[dict], make_optimizer: OptimizerFactory) -> nn.Module:
         deepspeed = import_deepspeed()
         logging.getLogger("DeepSpeed").setLevel(logging.WARNING)  # its INFO lines drown the progress bar
@@ -305,6 +313,8 @@ class DeepSpeedStrategy(DeepSpeedCheckpointing, Strategy):
             c.add("params", (getattr(p, "ds_tensor", p) for p in params))
             # parameters under stage3_param_persistence_threshold stay whole on every rank
             c.add("params", (p.data for p in params if getattr(p, "ds_persist", False)))
+            # hpZ (zero_hpz_partition_size): each tensor's secondary partition over its group
+            c.add("params", (t for t in (getattr(p, "ds_secondary_tensor", None) for p in params) if t is not None))
             fp32 = getattr(o, "fp32_partitioned_groups_flat", [])
             c.add("master", fp32)
             c.add("grads", (t.grad for t in fp32))

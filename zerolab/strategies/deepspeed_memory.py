@@ -5,9 +5,11 @@ them, as zerolab/strategies/deepspeed.py builds the real config.
 
 What the prediction follows: `stage`, `reduce_bucket_size` (the backward bucket),
 `stage3_param_persistence_threshold` and `stage3_model_persistence_threshold` (small tensors kept
-whole on every rank), and keys that change no model state (`overlap_comm`, measured here: with
-contiguous gradients a rank keeps the same buffers either way; `allgather_bucket_size`,
-`contiguous_gradients`, `reduce_scatter`, `round_robin_gradients`, `stage3_prefetch_bucket_size`).
+whole on every rank), `zero_hpz_partition_size` (ZeRO++'s hpZ, stage 3: every tensor's secondary
+partition over the n ranks of its group, ds_secondary_tensor), and keys that change no model state
+(`overlap_comm`, measured here: with contiguous gradients a rank keeps the same buffers either way;
+`allgather_bucket_size`, `contiguous_gradients`, `reduce_scatter`, `round_robin_gradients`,
+`stage3_prefetch_bucket_size`).
 Any other override (offload_optimizer, offload_param, sub_group_size, ...) is not modelled: the
 prediction says so in a note, naming the keys, and its figures assume DeepSpeed without them.
 """
@@ -21,7 +23,8 @@ from zerolab.accounting import ModelShape, ceil_div, dtype_name, fmt_n
 from zerolab.precision import COMPUTE_BYTES
 
 # keys of zero_optimization the prediction follows, or that change no model state it counts
-FOLLOWED = {"stage", "reduce_bucket_size", "stage3_param_persistence_threshold", "stage3_model_persistence_threshold"}
+FOLLOWED = {"stage", "reduce_bucket_size", "stage3_param_persistence_threshold", "stage3_model_persistence_threshold",
+            "zero_hpz_partition_size"}
 NO_EFFECT = {"overlap_comm", "allgather_bucket_size", "contiguous_gradients", "reduce_scatter", "round_robin_gradients",
              "stage3_prefetch_bucket_size", "allgather_partitions"}
 TOP_NO_EFFECT = {"steps_per_print", "wall_clock_breakdown", "gradient_clipping", "prescale_gradients"}  # outside it
@@ -37,6 +40,7 @@ class ZeroConfig:
     persistence: int  # stage3_param_persistence_threshold, elements
     model_persistence: int  # stage3_model_persistence_threshold: the most elements kept whole in all
     unmodelled: list  # override keys the prediction does not follow
+    hpz: int = 1  # zero_hpz_partition_size: ranks sharing a secondary copy of the weights (1: none)
 
 
 def ds_zero_config(settings: dict, stage: int, bucket: int) -> ZeroConfig:
@@ -50,7 +54,7 @@ def ds_zero_config(settings: dict, stage: int, bucket: int) -> ZeroConfig:
                       persistence=int(zero.get("stage3_param_persistence_threshold",
                                                ZEROLAB_PERSISTENCE if stage == 3 else DEEPSPEED_PERSISTENCE)),
                       model_persistence=int(zero.get("stage3_model_persistence_threshold", sys.maxsize)),
-                      unmodelled=unmodelled)
+                      unmodelled=unmodelled, hpz=int(zero.get("zero_hpz_partition_size", 1) or 1))
 
 
 def predict_ds_memory(p, shape: ModelShape, zero: ZeroConfig, *, world: int, precision: str, k: float,
@@ -102,14 +106,20 @@ def _stage_3(p, shape: ModelShape, zero: ZeroConfig, N: int, precision: str, k: 
     n, c, dt = shape.n_params, COMPUTE_BYTES[precision], dtype_name(precision)
     sizes = [math.prod(s) for s in shape.shapes]
     part = sum(ceil_div(x, N) for x in sizes)
-    persistent = 0
+    persistent, kept = 0, []
     for x in sizes:
-        if x <= zero.persistence and persistent + x <= zero.model_persistence:
-            persistent += x
+        kept.append(x <= zero.persistence and persistent + x <= zero.model_persistence)
+        persistent += x if kept[-1] else 0
     p.add("params", part * c, f"{dt} weight partitions, each tensor padded to N: {fmt_n(part)} × {c}")
     if persistent:
         p.add("params", persistent * c, f"tensors of at most {zero.persistence:,} elements kept whole on every rank "
                                         f"(stage3_param_persistence_threshold): {fmt_n(persistent)} × {c}")
+    # hpZ (partition_parameters.py, _partition_param_sec): each partitioned tensor, padded to N, cut over
+    # its group's n ranks; a tensor kept whole gets none (measured: all of them kept whole, no copy)
+    secondary = sum(ceil_div(x, N) * N // zero.hpz for x, whole in zip(sizes, kept) if not whole) if zero.hpz > 1 else 0
+    if secondary:
+        p.add("params", secondary * c, f"hpZ's secondary copy (zero_hpz_partition_size={zero.hpz}): each partitioned "
+                                       f"tensor, padded to N, over {zero.hpz} ranks: {fmt_n(secondary)} × {c}")
     p.add("grads", part * c, f"{dt} gradient partitions (flat buffer): {fmt_n(part)} × {c}")
     p.add("transient", part * 4, f"fp32 gradient partition, alive inside step() only: {fmt_n(part)} × 4", when="step")
     p.add("master", part * 4, f"fp32 weight partition (kept even in fp32 training): {fmt_n(part)} × 4")
@@ -119,6 +129,7 @@ def _stage_3(p, shape: ModelShape, zero: ZeroConfig, N: int, precision: str, k: 
     p.why = ("each tensor padded to N; " + ("an fp32 weight partition (4Ψ/N) even in fp32 training; "
                                             if precision == "fp32" else "")
              + ("small tensors kept whole on every rank; " if persistent else "")
+             + (f"hpZ's secondary copy, 1/{zero.hpz} of the partitioned weights; " if secondary else "")
              + "the fp32 gradient partition (4Ψ/N) exists inside step() only (transient, not counted)")
     p.notes.append("vs the paper: the fp32 gradient partition (4Ψ/N) during step(); with DeepSpeed's own default "
                    "stage3_param_persistence_threshold (1e5; zerolab sets 0) small tensors also stay whole on every "

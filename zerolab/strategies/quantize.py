@@ -60,9 +60,11 @@ def encode(x: torch.Tensor, block: int, bits: int) -> torch.Tensor:
     v = torch.zeros(rows, nb * block, dtype=torch.float32, device=x.device)
     v[:, :n] = x
     v = v.view(rows, nb, block)
-    amax = v.abs().amax(dim=2)
-    scale = torch.where(amax > 0, amax / LEVELS[bits], torch.ones_like(amax))
-    q = torch.round(v / scale.unsqueeze(2)).clamp_(-LEVELS[bits], LEVELS[bits]).to(torch.int8)
+    scale = v.abs().amax(dim=2) / LEVELS[bits]
+    # A block of zeros keeps the scale 0 on the wire (its error bound s/2 is 0: error_bound_sq),
+    # and divides by 1 to give q = 0.
+    divisor = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = torch.round(v / divisor.unsqueeze(2)).clamp_(-LEVELS[bits], LEVELS[bits]).to(torch.int8)
     if bits == 4:
         u = (q + 8).to(torch.uint8).view(rows, nb * block // 2, 2)
         payload = u[:, :, 0] | (u[:, :, 1] << 4)

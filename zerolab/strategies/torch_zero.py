@@ -21,7 +21,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from zerolab.accounting import MIXED, StorageCounter, ceil_div, fmt_n, state_bytes
 from zerolab.numerics import StepInfo
-from zerolab.strategies.base import OptimizerFactory
+from zerolab.strategies.base import PRECISION_MODE_SETTINGS, OptimizerFactory
 from zerolab.strategies.ddp import DDPStrategy
 
 
@@ -42,7 +42,8 @@ class TorchZeroStrategy(DDPStrategy):
     # ZeroRedundancyOptimizer steps zerolab's optimizer class itself: no per-layer statistics. Whole
     # tensors are assigned greedily, so ranks hold uneven shares; the memory sweep shows rank 0 only.
     traits = replace(DDPStrategy.traits, reference=False, stage=1, uneven_memory=True, sweep_stages=(),
-                     also_reads=DDPStrategy.traits.also_reads - {"logging.layer_stats_every"},
+                     also_reads=DDPStrategy.traits.also_reads - {"logging.layer_stats_every"}
+                     - PRECISION_MODE_SETTINGS,  # its optimizer holds the master shards
                      # measured by collective, gpt_mid on 2 ranks: all_reduce 2Ψ + broadcast Ψ
                      comm_extra="DDP's all-reduce of the gradients (2Ψ), then ZeroRedundancyOptimizer's broadcast "
                                 "of every updated parameter from the rank that owns it (Ψ more, in the master dtype)")

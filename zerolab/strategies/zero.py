@@ -40,12 +40,15 @@ backward, so unused parameters can neither hang nor misalign the reductions.
 Across nodes (strategy.shard_within=node, zero_hierarchy.py): "N chunks" above become the n ranks
 of a node, whose group runs the reduce-scatters and all-gathers; each node holds a replica of the
 shards, and the gradient shard is averaged across the replicas by one all-reduce per step.
+
+Below the paper's floor (precision.master=remainder|bf16, zerolab/precision_modes.py) the master
+shard is held in this rank's chunk of the bf16 weights (plus int16 remainders): zero_shard.py.
 """
 from __future__ import annotations
 
 from collections import deque
 from contextlib import contextmanager
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
@@ -58,8 +61,10 @@ from zerolab.models import place
 from zerolab.optim.segments import Segment
 from zerolab.numerics import StepInfo
 from zerolab.schema import ZeroSettings
-from zerolab.strategies.base import OptimizerFactory, Strategy, Traits, set_lr
+from zerolab.strategies.base import PRECISION_MODE_SETTINGS, ZEROLAB_STEP_SETTINGS, OptimizerFactory, Strategy, \
+    Traits, precision_lossy, set_lr
 from zerolab.strategies.zero_checkpoint import ZeroPieces
+from zerolab.strategies.zero_shard import FlatGroup, ShardGrads, rounded
 from zerolab.strategies.zero_hierarchy import check_node_settings, layout_for, shards_for
 from zerolab.strategies.zero_memory import predict_zero12
 
@@ -82,24 +87,9 @@ class Bucket:
         return self.size // self.shards
 
 
-@dataclass
-class FlatGroup:
-    """This rank's shard of one param group: the flat pieces the optimizer updates (fp32 master
-    weights, or the weights themselves where they are in that dtype: module docstring), each
-    piece's .grad its gradient, and where the group's tensors lie in them."""
-    pieces: list = field(default_factory=list)  # nn.Parameter, one per bucket (zero1/2) or per group (zero3)
-    segments: list[Segment] = field(default_factory=list)
-    names: list[str] = field(default_factory=list)
-
-    @property
-    def master(self) -> nn.Parameter:
-        """The one piece of a shard kept whole per group (zero3)."""
-        (piece,) = self.pieces
-        return piece
-
-
-class ZeroStrategy(ZeroPieces, Strategy):
-    traits = Traits(settings=ZeroSettings, stage=1, sharded_grads=True, zerolab_sharder=True)
+class ZeroStrategy(ZeroPieces, ShardGrads, Strategy):
+    traits = Traits(settings=ZeroSettings, stage=1, sharded_grads=True, zerolab_sharder=True,
+                    also_reads=ZEROLAB_STEP_SETTINGS | PRECISION_MODE_SETTINGS | {"precision.grad_shard"})
     checkpoint_format = "pieces"
 
     # ---- setup ------------------------------------------------------------------------------
@@ -109,6 +99,7 @@ class ZeroStrategy(ZeroPieces, Strategy):
         self.bucket_of = {id(p): b for b in self.buckets for p, _, _ in b.params}
         self.offset_of = {id(p): off for b in self.buckets for p, _, off in b.params}
         self.groups = self._make_flat_groups(param_groups)
+        self.grad_shards = self._make_grad_shards()
         self.optimizer = self._make_optimizer(param_groups, make_optimizer)
         # Reduce-scatters in flight, in launch order: (work, output chunk, bucket, send buffer).
         # The send buffer must stay referenced until the work completes: an asynchronous
@@ -151,6 +142,8 @@ class ZeroStrategy(ZeroPieces, Strategy):
         # that is the weights' own dtype, the shard is a view of the weights (module docstring).
         self.shard_dtype = self.precision.update_dtype
         self.shard_is_weights = self.shard_dtype == self.precision.compute_dtype and self.traits.stage < 3
+        # precision.master (module docstring): where the master shard lives under bf16
+        self.master_mode = self.precision.master if self.precision.master_weights else "fp32"
 
     def _make_buckets(self, model: nn.Module, param_groups: list[dict]) -> list[Bucket]:
         order = {id(p): i for i, p in enumerate(model.parameters())}
@@ -196,6 +189,9 @@ class ZeroStrategy(ZeroPieces, Strategy):
             fg = groups[b.group]
             if self.shard_is_weights:  # the owned chunk of the weights is the shard (shares their storage)
                 fg.pieces[b.piece] = nn.Parameter(b.flat_params[lo:hi])
+            elif self.master_mode != "fp32":  # zero3 frees its buckets: its masters need a buffer of their own
+                fg.hold_master(b.piece, self.piece_sizes[b.group][b.piece], b.flat_params[lo:hi], b.shard_pos,
+                               self.master_mode, own_buffer=self.traits.stage >= 3)
             else:
                 if fg.pieces[b.piece] is None:
                     size = self.piece_sizes[b.group][b.piece]
@@ -210,8 +206,8 @@ class ZeroStrategy(ZeroPieces, Strategy):
             piece = groups[b.group].pieces[b.piece]
             if self.traits.stage == 1 and self.shard_is_weights:  # zero1's whole gradient holds the reduced chunk
                 piece.grad = b.flat_grads[self.shard_rank * b.chunk:(self.shard_rank + 1) * b.chunk]
-            elif piece.grad is None:
-                piece.grad = torch.zeros_like(piece)
+            elif piece.grad is None:  # (not zeros_like: a face's strides are all 0)
+                piece.grad = torch.zeros(piece.shape, dtype=piece.dtype, device=piece.device)
         return groups
 
     def _shard_chunk(self, b: Bucket) -> torch.Tensor:
@@ -220,10 +216,7 @@ class ZeroStrategy(ZeroPieces, Strategy):
 
     def _grad_chunk(self, b: Bucket) -> torch.Tensor:
         """Where bucket b's reduce-scattered gradient chunk goes: its place in the gradient shard."""
-        return self.groups[b.group].pieces[b.piece].grad[b.shard_pos:b.shard_pos + b.chunk]
-
-    def _shard_grads(self) -> list[torch.Tensor]:
-        return [piece.grad for g in self.groups for piece in g.pieces]
+        return self.grad_shards[b.group][b.piece][b.shard_pos:b.shard_pos + b.chunk]
 
     def _make_optimizer(self, param_groups: list[dict], make_optimizer: OptimizerFactory) -> torch.optim.Optimizer:
         """The optimizer over this rank's shard: one group per param group, its flat pieces and
@@ -232,7 +225,7 @@ class ZeroStrategy(ZeroPieces, Strategy):
         return make_optimizer([
             {**{k: v for k, v in g.items() if k not in ("params", "names")}, "params": fg.pieces,
              "segments": fg.segments, "n_tensors": len(g["params"]), "names": g["names"],
-             "allreduce": self._all_reduce}
+             "allreduce": self._all_reduce, **self.precision.storage(), **fg.storage()}
             for g, fg in zip(param_groups, self.groups)])
 
     # ---- backward: hooks, in-order launches ---------------------------------------------------
@@ -322,11 +315,12 @@ class ZeroStrategy(ZeroPieces, Strategy):
     def step(self, lr: float, stats_level: int = 0) -> StepInfo:
         set_lr(self.optimizer, lr)
         self._drain()
-        self._average_replicas(self._shard_grads())
-        info = self._update(self._shard_grads(), stats_level)
+        self._average_replicas(self._all_grad_shards())
+        with self._fp32_grads():
+            info = self._update(self._shard_grads(), stats_level)
         if not info.known_skipped:
             self._all_gather_params(wait=False)  # completes behind the next forward
-        for grad in self._shard_grads():
+        for grad in self._all_grad_shards():
             grad.zero_()
         if self.traits.stage == 1:
             for b in self.buckets:
@@ -337,12 +331,16 @@ class ZeroStrategy(ZeroPieces, Strategy):
     def _all_gather_params(self, wait: bool = True) -> None:
         """Write every bucket's updated chunks, in compute dtype, into the model's parameters.
         Issued in forward order (the reverse of the bucket list), so the first layers arrive first.
-        Where the shard is the weights, the input is the output's own chunk (gathered in place)."""
+        Where the shard is the weights, or the weights hold the master (precision.master), the input
+        is the output's own chunk, which the optimizer updated (gathered in place)."""
         self._wait_gathers()
         for i in reversed(range(len(self.buckets))):
             b = self.buckets[i]
-            chunk = self._shard_chunk(b).to(b.flat_params.dtype)
-            if chunk.dtype != self.shard_dtype:  # a 16-bit copy, alive until waited for
+            if self.master_mode != "fp32":
+                chunk = self.groups[b.group].weights[b.piece]
+            else:
+                chunk = rounded(self._shard_chunk(b), b.flat_params.dtype, self.precision.weight_rounding)
+            if not (self.shard_is_weights or self.master_mode != "fp32"):  # a 16-bit copy, alive until waited for
                 self._gather_input_bytes[i] = chunk.untyped_storage().nbytes()
                 self.transient.alloc(self._gather_input_bytes[i], "step")
             self.comm.record("all_gather", b.flat_params, group=self.shard_group)
@@ -402,20 +400,25 @@ class ZeroStrategy(ZeroPieces, Strategy):
         self._wait_gathers()
         c = StorageCounter()
         c.add("params", (b.flat_params for b in self.buckets))
-        c.add("grads", (b.flat_grads for b in self.buckets)).add("grads", self._shard_grads())
-        c.add("master", (piece for g in self.groups for piece in g.pieces)).add_optimizer(self.optimizer)
+        c.add("grads", (b.flat_grads for b in self.buckets)).add("grads", self._all_grad_shards())
+        c.add("master", (piece for g in self.groups for piece in g.pieces))  # (faces hold nothing)
+        c.add("master", (r for g in self.groups for r in g.remainders)).add_optimizer(self.optimizer)
         c.add("buffers", (b.comm_buf for b in self.buckets)).add("buffers", self.model.buffers())
         return c.result()
 
     # ---- memory prediction (zerolab.memory asks it; Strategy.predict_memory says how) ----------
     @classmethod
     def predict_memory(cls, p, shape, *, world, precision, k, bucket_mb, reduce_dtype, ranks_per_node, settings,
-                       **_) -> None:
+                       mode, **_) -> None:
         """zero_memory.predict_zero12: the owned chunks' shard, gradient and optimizer state, the
         whole weights (and zero1's whole gradients), measured at the end of a step as memory() sees it."""
         predict_zero12(p, shape, stage=cls.traits.stage, shards=shards_for(world, ranks_per_node, settings),
                        precision=precision, k=k, bucket_mb=bucket_mb, reduce_dtype=reduce_dtype,
-                       hsdp=settings.get("shard_within") == "node" and ranks_per_node < world)
+                       hsdp=settings.get("shard_within") == "node" and ranks_per_node < world, mode=mode)
+
+    @classmethod
+    def lossy(cls, cfg: dict):
+        return precision_lossy(cfg)  # precision.master=bf16, optim_states=bf16, ... (base.py)
 
     @classmethod
     def check_config(cls, cfg, world_size: int) -> None:

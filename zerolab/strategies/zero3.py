@@ -74,7 +74,6 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Optional
 
@@ -87,9 +86,10 @@ from zerolab.accounting import StorageCounter
 from zerolab.models import block_of_parameters, find_blocks
 from zerolab.models.recompute import tensors_in
 from zerolab.schema import Zero3Settings
-from zerolab.strategies.base import OptimizerFactory, set_lr
+from zerolab.strategies.base import PRECISION_MODE_SETTINGS, ZEROLAB_STEP_SETTINGS, OptimizerFactory, set_lr
 from zerolab.strategies.quantize import Done, gather_quantized, reduce_scatter_quantized
 from zerolab.strategies.zero import Bucket, ZeroStrategy
+from zerolab.strategies.zero_shard import rounded
 from zerolab.strategies.zero_hierarchy import shards_for
 from zerolab.strategies.zero_memory import MAX_LIVE_BUCKETS, pack_units, predict_zero3
 
@@ -112,7 +112,9 @@ class Zero3Strategy(ZeroStrategy):
     # stage 3 takes zero.py's gradient path of stage >= 2 (bucket copies, a reduce-scatter per
     # micro-batch); a model without repeated blocks is refused before any rank trains (needs_blocks)
     traits = replace(ZeroStrategy.traits, settings=Zero3Settings, stage=3, needs_blocks=True,
-                     memory_reference=("deepspeed", 3))
+                     memory_reference=("deepspeed", 3),
+                     # its gradient shard is in the reduce dtype already (16-bit under bf16): no precision.grad_shard
+                     also_reads=ZEROLAB_STEP_SETTINGS | PRECISION_MODE_SETTINGS)
     # checkpoint_format "pieces" (zero.py): the fp32 master shard and optimizer state by parameter
     # name and element range, exactly zero2's, so zero3 reshards to and from ddp/zero1/zero2.
 
@@ -126,21 +128,17 @@ class Zero3Strategy(ZeroStrategy):
         self.bucket_of = {id(p): b for b in self.buckets for p, _, _ in b.params}
         self.offset_of = {id(p): off for b in self.buckets for p, _, off in b.params}
         self.groups = self._make_flat_groups(param_groups)  # fp32 master chunks, from the whole buffers
-        # The gradient shard in the reduce dtype (module docstring). When that is the dtype the
-        # optimizer updates, the shard is master.grad, as in zero2; otherwise master.grad exists
-        # only during the step, as an fp32 copy (_fp32_grads).
-        if self.reduce_dtype == self.shard_dtype:
-            self.grad_shards = [g.master.grad for g in self.groups]
-        else:
-            self.grad_shards = [torch.zeros(g.master.numel(), dtype=self.reduce_dtype, device=self.ctx.device)
-                                for g in self.groups]
-            for g in self.groups:
-                g.master.grad = None
+        self.grad_shards = self._make_grad_shards()
         # The persistent weights: this rank's chunks in compute dtype, one flat tensor per group
         # laid out like the master shard. When the shard already is in compute dtype (fp32,
-        # bf16_pure) it is the weights, and nothing is stored twice.
-        self.local = [g.master.data if self.shard_dtype == self.precision.compute_dtype
-                      else g.master.data.to(self.precision.compute_dtype) for g in self.groups]
+        # bf16_pure) it is the weights, and nothing is stored twice; under precision.master=remainder
+        # or bf16 the persistent chunks hold the master (zero.py): the optimizer writes them.
+        if self.master_mode != "fp32":
+            self.local = [g.weights[0] for g in self.groups]
+        else:
+            self.local = [g.master.data if self.shard_dtype == self.precision.compute_dtype
+                          else rounded(g.master.data, self.precision.compute_dtype, self.precision.weight_rounding)
+                          for g in self.groups]
         self.optimizer = self._make_optimizer(param_groups, make_optimizer)
         self.pending: deque = deque()  # reduce-scatters in flight (zero.py)
         self.next_launch = 0
@@ -333,50 +331,42 @@ class Zero3Strategy(ZeroStrategy):
         reduce_scatter_quantized(out, b.comm_buf, self.layout, self.settings.quant_block, self.comm, self.transient)
         self.pending.append((Done(), out, b, b.comm_buf))
 
-    def _grad_chunk(self, b: Bucket) -> torch.Tensor:
-        return self.grad_shards[b.group][b.shard_pos:b.shard_pos + b.chunk]
+    def _make_grad_shards(self) -> list[list[torch.Tensor]]:
+        """The gradient shard in the reduce dtype (module docstring). When that is the dtype the
+        optimizer updates, the shard is master.grad, as in zero2; otherwise master.grad exists
+        only during the step, as an fp32 copy (zero.py's _fp32_grads)."""
+        if self.reduce_dtype == self.shard_dtype:
+            return [[g.master.grad] for g in self.groups]
+        for g in self.groups:
+            g.master.grad = None
+        return [[torch.zeros(g.master.numel(), dtype=self.reduce_dtype, device=self.ctx.device)] for g in self.groups]
 
     # ---- step -------------------------------------------------------------------------------
     def step(self, lr: float, stats_level: int = 0):
         set_lr(self.optimizer, lr)
         self._drain()
-        self._average_replicas(self.grad_shards)  # HSDP: across nodes (zero.py)
+        self._average_replicas(self._all_grad_shards())  # HSDP: across nodes (zero.py)
         with self._fp32_grads():
             info = self._update([g.master.grad for g in self.groups], stats_level)
         if not info.known_skipped:
             self._refresh_local()  # the next forward all-gathers the new weights: no all-gather here
-        for shard in self.grad_shards:
+        for shard in self._all_grad_shards():
             shard.zero_()
         if stats_level and self._weight_error:  # qwZ, a logged step: the loss band's forward term (docs/nodes.md)
             info.extra["qwz_weight_error_bound"] = math.sqrt(sum(self._weight_error.values()).item())
         return info
 
-    @contextmanager
-    def _fp32_grads(self):
-        """The optimizer's view of a 16-bit gradient shard: fp32 copies as master.grad, for the
-        step only (recorded as a step transient for peak accounting). Nothing to do when the
-        shard already is master.grad."""
-        copies = [(g, shard) for g, shard in zip(self.groups, self.grad_shards) if shard is not g.master.grad]
-        nbytes = sum(shard.numel() * 4 for _, shard in copies)
-        for g, shard in copies:
-            g.master.grad = shard.float()
-        self.transient.alloc(nbytes, "step")
-        try:
-            yield
-        finally:
-            for g, _ in copies:
-                g.master.grad = None
-            self.transient.free(nbytes)
-
-    def _materialise_optimizer_state(self) -> None:
-        with self._fp32_grads():  # zero.py's zero-gradient update needs master.grad
-            super()._materialise_optimizer_state()
-
     @torch.no_grad()
     def _refresh_local(self) -> None:
+        if self.master_mode != "fp32":
+            return  # the persistent chunks are the master's weights: the optimizer wrote them
         for g, local in zip(self.groups, self.local):
-            if local is not g.master.data:
+            if local is g.master.data:
+                continue
+            if self.precision.weight_rounding == "nearest_even":
                 local.copy_(g.master.data)  # one rounding to compute dtype, as zero2's all-gather input
+            else:  # (ties away from zero: weights derived as a remainder run derives them)
+                local.copy_(rounded(g.master.data, local.dtype, self.precision.weight_rounding))
 
     # ---- introspection ------------------------------------------------------------------------
     def memory(self) -> dict[str, int]:
@@ -386,8 +376,9 @@ class Zero3Strategy(ZeroStrategy):
         self._wait_gathers()
         c = StorageCounter()
         c.add("params", self.local).add("params", (b.flat_params for b in self.buckets)).add("params", self.secondary)
-        c.add("grads", self.grad_shards)
-        c.add("master", (g.master for g in self.groups)).add_optimizer(self.optimizer)
+        c.add("grads", self._all_grad_shards())
+        c.add("master", (g.master for g in self.groups)).add("master", (r for g in self.groups for r in g.remainders))
+        c.add_optimizer(self.optimizer)
         c.add("buffers", (b.comm_buf for b in self.buckets)).add("buffers", self.model.buffers())
         return c.result()
 
@@ -398,11 +389,12 @@ class Zero3Strategy(ZeroStrategy):
     # ---- memory prediction (zerolab.memory asks it; Strategy.predict_memory says how) ----------
     @classmethod
     def predict_memory(cls, p, shape, *, world, precision, k, bucket_mb, reduce_dtype, ranks_per_node, settings,
-                       **_) -> None:
+                       mode, **_) -> None:
         """zero_memory.predict_zero3: the persistent chunks and shards packed unit by unit, hpZ's
         secondary copy, the quantized collectives' buffers."""
         predict_zero3(p, shape, shards=shards_for(world, ranks_per_node, settings), per_node=ranks_per_node,
-                      precision=precision, k=k, bucket_mb=bucket_mb, reduce_dtype=reduce_dtype, settings=settings)
+                      precision=precision, k=k, bucket_mb=bucket_mb, reduce_dtype=reduce_dtype, settings=settings,
+                      mode=mode)
 
     @classmethod
     def known_cause(cls, cfg: dict) -> str:
@@ -411,3 +403,19 @@ class Zero3Strategy(ZeroStrategy):
                                             ("quantize_grads", "int4 gradient reduce-scatters (qgZ)")) if s.get(key)]
         return (f"ZeRO++'s {' and '.join(quantized)} round what they send: the run follows another trajectory "
                 "(docs/nodes.md: the loss band)") if quantized else ""
+
+    @classmethod
+    def lossy(cls, cfg: dict):
+        """qwZ and qgZ round what they send: the report holds the run within its loss band. qwZ's
+        forward computes with int8-rounded weights (L = 127); qgZ rounds only the gradients. A bf16
+        master or state (zero.py) is lossy too, and named beside them."""
+        from zerolab.strategies.base import Lossy
+        from zerolab.strategies.quantize import LEVELS
+
+        cause = cls.known_cause(cfg)
+        weights = cfg.get("strategy", {}).get("quantize_weights")
+        stored = super().lossy(cfg)  # a bf16 master or state (zero.py)
+        if not cause:
+            return stored
+        what = cause + (f"; {stored.what}" if stored else "")
+        return Lossy("quantized", what, forward_levels=LEVELS[8] if weights else 0)

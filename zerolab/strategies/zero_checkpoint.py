@@ -24,17 +24,22 @@ from zerolab.strategies.base import ShardPiece
 
 
 class ZeroPieces:
-    def _pieces(self):
+    def _pieces(self, write_back: bool = False):
         """(group, segment, {kind: the tensor of its piece}) for every segment this rank owns:
-        kind "master" (the shard) and every per-element optimizer state."""
+        kind "master" (the shard, in fp32: rebuilt where precision.master stores it otherwise, so
+        a checkpoint holds the exact fp32 master in every mode) and every per-element optimizer
+        state (in its stored dtype). `write_back`: the masters were written into, store them."""
         for g in self.groups:
             tensors = []
-            for piece in g.pieces:
+            for k, piece in enumerate(g.pieces):
                 state = self.optimizer.state.get(piece, {})
-                tensors.append({"master": piece.data,
-                                **{k: v for k, v in state.items() if is_element_state(v, like=piece)}})
+                tensors.append({"master": g.master_fp32(k),
+                                **{kind: v for kind, v in state.items() if is_element_state(v, like=piece)}})
             for s in g.segments:
                 yield g, s, tensors[s.piece]
+            if write_back:
+                for k, t in enumerate(tensors):
+                    g.store_master(k, t["master"])
 
     def checkpoint_state(self) -> dict[str, ShardPiece]:
         self._wait_gathers()
@@ -52,7 +57,7 @@ class ZeroPieces:
     @torch.no_grad()
     def load_checkpoint_state(self, read) -> None:
         self._materialise_optimizer_state()
-        for g, s, tensors in self._pieces():
+        for g, s, tensors in self._pieces(write_back=True):
             name = g.names[s.tensor]
             for kind, t in tensors.items():
                 t[s.start:s.end].copy_(read(f"{kind}/{name}", s.offset, s.offset + s.end - s.start))
@@ -66,9 +71,10 @@ class ZeroPieces:
         saved = [(grp["lr"], grp.get("weight_decay", 0.0)) for grp in self.optimizer.param_groups]
         for grp in self.optimizer.param_groups:
             grp["lr"] = 0.0
-        for grad in self._shard_grads():
+        for grad in self._all_grad_shards():
             grad.zero_()
-        self.optimizer.step()
+        with self._fp32_grads():  # (the optimizer reads fp32 gradients)
+            self.optimizer.step()
         for grp, (lr, _) in zip(self.optimizer.param_groups, saved):
             grp["lr"] = lr
 
@@ -92,8 +98,9 @@ class ZeroPieces:
             names.setdefault(id(t), []).append(name)  # a tied weight has two names: two copies
         out = {}
         for b in self.buckets:
+            chunk = self.groups[b.group].master_fp32(b.piece, b.shard_pos, b.shard_pos + b.chunk)
             full = torch.empty(b.size, dtype=self.shard_dtype, device=self.ctx.device)
-            dist.all_gather_single(full, self._shard_chunk(b).contiguous(), group=self.shard_group)
+            dist.all_gather_single(full, chunk.contiguous(), group=self.shard_group)
             if main:
                 for p, _, off in b.params:
                     for name in names.get(id(p), ()):

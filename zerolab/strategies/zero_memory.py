@@ -14,6 +14,7 @@ import math
 from zerolab.accounting import MIXED, dtype_name, fmt_n, state_bytes
 from zerolab.buckets import MAX_IN_FLIGHT, bucket_cap, pack_buckets, zero_buckets
 from zerolab.precision import COMPUTE_BYTES
+from zerolab.precision_modes import Mode, master_term, working_bytes_per_element
 from zerolab.strategies.quantize import wire_bytes
 
 MAX_LIVE_BUCKETS = 12  # zero3: gathered or in-flight buckets above which no unit is prefetched
@@ -55,7 +56,7 @@ def _fp32_floor_notes(p, stage: int, view: bool, dt: str, sd: str, s: int, c: in
 
 
 def predict_zero12(p, shape, *, stage: int, shards: int, precision: str, k: float, bucket_mb: float,
-                   reduce_dtype: str, hsdp: bool) -> None:
+                   reduce_dtype: str, hsdp: bool, mode: Mode = Mode()) -> None:
     """zero1/zero2 (zero.py): every bucket padded to a multiple of `shards`, one chunk owned; the
     shard the optimizer updates, its gradient and the optimizer state exist for the owned chunks
     only. The shard is an fp32 master copy in mixed precision and a view of the weights where they
@@ -74,11 +75,18 @@ def predict_zero12(p, shape, *, stage: int, shards: int, precision: str, k: floa
         p.add("grads", padded * c, f"{dt} gradients, whole, views into per-bucket flat buffers "
                                    f"(kept between steps): {fmt_n(padded)} × {c}"
                                    + (" (the owned chunks are the gradient shard)" if view else ""))
-    if not (stage == 1 and view):
+    if mode.grad_shard == "bf16":  # precision.grad_shard=bf16: fp32 copies for the step only
+        if stage == 2:
+            p.add("grads", shard * c, f"{dt} gradient shard (the owned chunks, precision.grad_shard=bf16): "
+                                      f"{fmt_n(shard)} × {c}")
+        p.add("transient", shard * 4, f"fp32 copy of the {dt} gradient shard for the optimizer, during the step"
+                                      + (" (zero1's shard is its chunk of the whole gradients)" if stage == 1 else "")
+                                      + f": {fmt_n(shard)} × 4", when="step")
+    elif not (stage == 1 and view):
         p.add("grads", shard * s, f"{sd} gradient shard (the owned chunks): {fmt_n(shard)} × {s}")
     if not view:
-        p.add("master", shard * s, f"fp32 master shard the optimizer updates: {fmt_n(shard)} × {s}")
-    p.add("optim_state", shard * k * s, f"optimizer state of the shard: {fmt_n(shard)} × {k:g} × {s}")
+        master_term(p, shard, mode, "shard the optimizer updates")
+    _state_and_working_copies(p, shard, k, s, mode)
     rb = 4 if reduce_dtype == "fp32" else c
     if stage == 2:
         # backward waits once more than MAX_IN_FLIGHT are in flight, i.e. after launching one more
@@ -90,7 +98,7 @@ def predict_zero12(p, shape, *, stage: int, shards: int, precision: str, k: floa
     in_flight = min(len(sizes), 1 + MAX_IN_FLIGHT)  # the drain runs after a launch past MAX_IN_FLIGHT
     p.add("transient", in_flight * (max(sizes) // N) * rb,
           f"reduce-scatter outputs (one chunk per bucket) of the {in_flight} bucket(s) in flight during backward")
-    if not view:  # fp32 and bf16_pure all-gather in place, from the weights' own chunk
+    if not view and mode.master == "fp32":  # fp32, bf16_pure and a master held in the weights gather in place
         p.add("transient", shard * c, f"{dt} copies of the owned chunks, the all-gather inputs of every bucket "
                                       f"from the optimizer step to the next forward: {fmt_n(shard)} × {c}",
               when="step")
@@ -103,7 +111,7 @@ def predict_zero12(p, shape, *, stage: int, shards: int, precision: str, k: floa
 
 
 def predict_zero3(p, shape, *, shards: int, per_node: int, precision: str, k: float, bucket_mb: float,
-                  reduce_dtype: str, settings: dict) -> None:
+                  reduce_dtype: str, settings: dict, mode: Mode = Mode()) -> None:
     """zero3 (zero3.py), what memory() measures between steps: the persistent chunks and the fp32
     shards of every bucket, packed unit by unit (pack_units) and padded to multiples of `shards`;
     hpZ's secondary copy; the quantized collectives' wire buffers as transients."""
@@ -123,11 +131,11 @@ def predict_zero3(p, shape, *, shards: int, per_node: int, precision: str, k: fl
               f"each forward all-gather, read by the backward one): {fmt_n(sum(sizes) // per_node)} × {c}")
     p.add("grads", shard * gb, f"gradient shard in the reduce dtype (reduce-scattered into): {fmt_n(shard)} × {gb}")
     if precision in MIXED:
-        p.add("master", shard * 4, f"fp32 master shard the optimizer updates: {fmt_n(shard)} × 4")
+        master_term(p, shard, mode, "shard the optimizer updates")
     if gb != s:
         p.add("transient", shard * s, f"fp32 copy of the gradient shard for the optimizer, during the step: "
                                       f"{fmt_n(shard)} × {s}", when="step")
-    p.add("optim_state", shard * k * s, f"optimizer state of the shard: {fmt_n(shard)} × {k:g} × {s}")
+    _state_and_working_copies(p, shard, k, s, mode)
     largest = sorted(sizes, reverse=True)  # upper bounds: the biggest buckets alive at once
     p.add("transient", sum(largest[:MAX_LIVE_BUCKETS]) * c,
           f"gathered buckets during forward/backward (the running unit, the root and a prefetch: at most "
@@ -142,6 +150,20 @@ def predict_zero3(p, shape, *, shards: int, per_node: int, precision: str, k: fl
     if shape.buffer_bytes:
         p.add("buffers", shape.buffer_bytes, "model buffers")
     _zero3_notes(p, n, sizes, gb, c, precision, N, settings)
+
+
+def _state_and_working_copies(p, shard: int, k: float, s: int, mode: Mode) -> None:
+    """The optimizer state of the shard (in bf16 with precision.optim_states=bf16), and the fp32
+    working copies a step over a stored master or state makes (bounded by the whole shard: an
+    elementwise update materialises a chunk at a time, LAMB's a group's shard at once)."""
+    ss = 2 if mode.optim_states == "bf16" else s
+    p.add("optim_state", shard * k * ss, f"optimizer state of the shard: {fmt_n(shard)} × {k:g} × {ss}"
+                                         + (" (precision.optim_states=bf16)" if ss != s else ""))
+    per = working_bytes_per_element(mode, k)
+    if per:
+        p.add("transient", shard * per, f"fp32 working copies of the stored master/state during the update "
+                                        f"(zerolab/optim/stored.py), at most the whole shard: {fmt_n(shard)} × {per:g}",
+              when="step")
 
 
 def _quantized_transients(p, largest: list[int], N: int, per_node: int, settings: dict) -> None:

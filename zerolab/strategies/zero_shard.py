@@ -1,0 +1,145 @@
+"""This rank's shard of a param group under zerolab's ZeRO (zero.py, zero3.py): the flat pieces
+the optimizer updates and where the group's tensors lie in them.
+
+Below the paper's floor (precision.master, zerolab/precision_modes.py): under bf16 the master
+shard need not be a copy. With master=remainder it is this rank's chunk of the bf16 weights plus
+an int16 remainder (the master's low halves, zerolab/master.py): the pair is the fp32 master bit
+for bit, rebuilt piece by piece inside the optimizer step and split again after it
+(zerolab/optim/stored.py), so the optimizer updates exactly what an fp32 master would, and the
+updated bf16 chunk is the all-gather's input in place. With master=bf16 the chunk alone is the
+master (lossy). The optimizer's params are then "faces" (fp32 shapes that hold no memory,
+zerolab.precision.face) carrying the fp32 gradient shard and keying the state.
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+import torch.nn as nn
+
+from zerolab.master import rebuild, round_to_bf16_, split_
+from zerolab.optim.segments import Segment
+from zerolab.precision import face
+
+
+@dataclass
+class FlatGroup:
+    """This rank's shard of one param group: the flat pieces the optimizer updates (fp32 master
+    weights, or the weights themselves where they are in that dtype: zero.py), each
+    piece's .grad its gradient, and where the group's tensors lie in them."""
+    pieces: list = field(default_factory=list)  # nn.Parameter, one per bucket (zero1/2) or per group (zero3)
+    segments: list[Segment] = field(default_factory=list)
+    names: list[str] = field(default_factory=list)
+    # precision.master=remainder|bf16 (module docstring): per piece, the bf16 weights that hold its
+    # master (the pieces are then faces) and, for remainder, the int16 low halves; empty otherwise
+    weights: list = field(default_factory=list)
+    remainders: list = field(default_factory=list)
+
+    def master_fp32(self, k: int, lo: int = 0, hi: Optional[int] = None) -> torch.Tensor:
+        """Elements [lo, hi) of piece k's fp32 master: a view of the piece, or a copy rebuilt from
+        where it is stored."""
+        if not self.weights:
+            return self.pieces[k].data[lo:hi]
+        if self.remainders:
+            return rebuild(self.weights[k][lo:hi], self.remainders[k][lo:hi])
+        return self.weights[k][lo:hi].float()
+
+    def store_master(self, k: int, value: torch.Tensor) -> None:
+        """Write fp32 `value`, from master_fp32(k), back as piece k's master (nothing to do where
+        the piece is the master: `value` is a view of it)."""
+        if not self.weights:
+            return
+        if self.remainders:
+            split_(value.contiguous(), self.weights[k], self.remainders[k])
+        else:
+            self.weights[k].copy_(value)
+
+    @property
+    def master(self) -> nn.Parameter:
+        """The one piece of a shard kept whole per group (zero3)."""
+        (piece,) = self.pieces
+        return piece
+
+    def hold_master(self, k: int, size: int, chunk: torch.Tensor, at: int, mode: str, own_buffer: bool) -> None:
+        """Piece k (`size` elements) holds its master in the bf16 weights (precision.master=`mode`):
+        `chunk`, this rank's chunk of one bucket's weights, goes at `at` in it. zero1/2 keep the
+        whole weights, so the piece's weights are a view of the chunk (one bucket per piece);
+        zero3 frees its buckets, so its pieces' weights are the persistent chunks, a buffer of
+        their own (`own_buffer`). The remainder starts at 0: the master starts as the weight, as
+        an fp32 master copied from the weights does."""
+        if self.pieces[k] is None:
+            self.pieces[k] = face((size,), chunk.device)
+            if not self.weights:
+                self.weights = [None] * len(self.pieces)
+                self.remainders = [None] * len(self.pieces) if mode == "remainder" else []
+            self.weights[k] = torch.zeros(size, dtype=chunk.dtype, device=chunk.device) if own_buffer else chunk
+            if mode == "remainder":
+                self.remainders[k] = torch.zeros(size, dtype=torch.int16, device=chunk.device)
+        if own_buffer:
+            self.weights[k][at:at + chunk.numel()].copy_(chunk)
+
+    def storage(self) -> dict:
+        """The optimizer group keys that say where the masters live (zerolab/optim/stored.py)."""
+        keys = {"weights": self.weights} if self.weights else {}
+        return {**keys, "remainders": self.remainders} if self.remainders else keys
+
+
+class ShardGrads:
+    """The gradient shard of zerolab's ZeRO, mixed into ZeroStrategy (zero.py), whose layout it
+    reads (`groups`, `buckets`, `shard_rank`, the precision): where the reduce-scatters deliver,
+    and the fp32 view the optimizer reads."""
+
+    def _make_grad_shards(self) -> list[list[torch.Tensor]]:
+        """The gradient shard, per group and piece, where the reduce-scatters deliver: the pieces'
+        own .grad, which the optimizer reads in place; with precision.grad_shard=bf16 the bf16
+        chunks instead (zero1: its chunk of the whole bf16 gradients, no bytes of its own; zero2:
+        a buffer), from which the step makes fp32 copies (_fp32_grads). Without accumulation the
+        values are the fp32 shard's: it only ever holds one bf16 reduction."""
+        if self.precision.grad_shard != "bf16":
+            return [[piece.grad for piece in g.pieces] for g in self.groups]
+        out = [[None] * len(g.pieces) for g in self.groups]
+        for b in self.buckets:  # (one bucket per piece)
+            lo, hi = self.shard_rank * b.chunk, (self.shard_rank + 1) * b.chunk
+            out[b.group][b.piece] = b.flat_grads[lo:hi] if self.traits.stage == 1 else \
+                torch.zeros(b.chunk, dtype=self.precision.compute_dtype, device=self.ctx.device)
+        for g in self.groups:
+            for piece in g.pieces:
+                piece.grad = None
+        return out
+
+    def _shard_grads(self) -> list[torch.Tensor]:
+        """The fp32 gradients the optimizer reads (inside _fp32_grads where the shard is 16-bit)."""
+        return [piece.grad for g in self.groups for piece in g.pieces]
+
+    def _all_grad_shards(self) -> list[torch.Tensor]:
+        return [shard for shards in self.grad_shards for shard in shards]
+
+    @contextmanager
+    def _fp32_grads(self):
+        """The optimizer's view of a 16-bit gradient shard: fp32 copies as the pieces' .grad, for
+        the step only (recorded as a step transient for peak accounting). Nothing to do where the
+        shard already is the pieces' .grad."""
+        copies = [(piece, shard) for g, shards in zip(self.groups, self.grad_shards)
+                  for piece, shard in zip(g.pieces, shards) if shard is not piece.grad]
+        nbytes = sum(shard.numel() * 4 for _, shard in copies)
+        for piece, shard in copies:
+            piece.grad = shard.float()
+        self.transient.alloc(nbytes, "step")
+        try:
+            yield
+        finally:
+            for piece, _ in copies:
+                piece.grad = None
+            self.transient.free(nbytes)
+
+
+def rounded(master: torch.Tensor, dtype: torch.dtype, rounding: str) -> torch.Tensor:
+    """An fp32 master (chunk) in the weights' dtype, rounded as precision.weight_rounding says
+    (ties away from zero derives the weights as a remainder run does: zerolab/master.py)."""
+    if dtype != torch.bfloat16 or rounding == "nearest_even":
+        return master.to(dtype)
+    out = torch.empty(master.shape, dtype=dtype, device=master.device)
+    round_to_bf16_(master.contiguous(), out, rounding)
+    return out
