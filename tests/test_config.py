@@ -15,6 +15,7 @@ from zerolab.config import ConfigError, compose
     ("strategy=nosuch", "strategy=nosuch: no such option of config group strategy"),
     ("model.n_head=3", "model.n_embd=64 must be divisible by model.n_head=3"),
     ("data.global_batch=12", "data.global_batch=12 is not divisible by data.micro_batch"),
+    ("precision.master=remainder", "needs precision=bf16: under precision=fp32"),  # docs/below-the-floor.md
 ])
 @pytest.mark.slow
 def test_bad_config_exits_2_before_process_group(tmp_path, override, expected):

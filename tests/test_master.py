@@ -370,3 +370,17 @@ def test_a_lossy_mode_is_named_for_the_reports_band_and_the_remainder_is_not():
     assert lossy.kind == "lossy" and "precision.master=bf16, precision.optim_states=bf16" in lossy.what
     both = Zero3Strategy.lossy({**run(master="bf16"), "strategy": {"quantize_grads": True}})
     assert both.kind == "quantized" and "qgZ" in both.what and "precision.master=bf16" in both.what
+
+
+@pytest.mark.parametrize("overrides, match", [
+    (["precision=fp16", "precision.master=bf16"], "fewer than the fp16 weights"),
+    (["strategy=fsdp", "precision=bf16", "precision.master=remainder"], "ddp, zero1, zero2, zero3 do"),
+    (["strategy=zero3", "precision=bf16", "precision.grad_shard=bf16"], "zero1, zero2 do"),
+])
+def test_the_checked_config_refuses_a_mode_that_does_not_apply(overrides, match):
+    """The same checks through zerolab.config.validate, which train.py runs before any rank trains
+    (a ConfigError is its exit 2: tests/test_config.py runs one through train.py)."""
+    from zerolab.config import compose
+
+    with pytest.raises(ConfigError, match=match):
+        compose(["model=gpt_tiny", *overrides])

@@ -17,7 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import assert_same_weights, load_weights, rank_log, read_metrics, run_ranks
+from conftest import assert_same_weights, load_weights, rank_log, read_metrics, run_python, run_ranks
 
 pytestmark = pytest.mark.slow  # every test here starts processes (see conftest: tiers)
 
@@ -47,7 +47,7 @@ def runs(tmp_path_factory):
     def get(strategy: str, world: int, *extra: str):
         key = (strategy, world, *extra)
         if key not in made:
-            run = tmp_path_factory.mktemp(f"{strategy}{world}") / "run"
+            run = tmp_path_factory.mktemp(f"{strategy}{world}") / f"run{len(made)}"  # (a label apiece in reports)
             run_ranks(run, world, *COMMON, f"strategy={strategy}", *extra)
             made[key] = run
         return made[key]
@@ -134,3 +134,23 @@ def test_a_remainder_checkpoint_holds_the_exact_fp32_master_and_resumes_anywhere
               "data.micro_batch=4", f"checkpoint.resume={ck_rem}")
     assert f"resumed at step {K}" in rank_log(out) and "optim_states: bf16" in (out / "config.yaml").read_text()
     assert len(_steps(out)) == STEPS - K
+
+
+def test_the_report_holds_a_lossy_mode_in_its_band_and_calls_the_remainder_a_match(runs, tmp_path):
+    """In `python -m zerolab compare` against today's bf16 zero2 run: the bf16 master and states
+    run's parity line is "lossy: ..." (held in the loss band of zerolab/report/band.py, never
+    "match"); the remainder run is the same arithmetic and gets the usual verdict, a match at bf16's
+    tolerance (its weights differ only at exact ties: test above)."""
+    steps = ["trainer.max_steps=24"]  # the band needs 20 common logged steps (band.MIN_STEPS)
+    base = runs("zero2", 2, "optim=adamw", *steps)
+    lossy = runs("zero2", 2, "optim=adamw", *steps, "precision.master=bf16", "precision.optim_states=bf16")
+    rem = runs("zero2", 2, "optim=adamw", *steps, "precision.master=remainder")
+    for run, want in ((lossy, "**lossy: "), (rem, "**match**")):
+        out = tmp_path / f"report-{run.parent.name}"
+        run_python("-m", "zerolab", "compare", str(base), str(run), "--out", str(out), "--wandb", "disabled")
+        parity = (out / "report.md").read_text().split("## Parity")[1].split("\n## ")[0]
+        rows = [line for line in parity.splitlines() if line.startswith("| zero2")]
+        print(rows)
+        assert len(rows) == 1 and want in rows[0], rows
+        if want.startswith("**lossy"):
+            assert "match" not in rows[0].lower() and "precision.master=bf16" in parity

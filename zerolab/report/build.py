@@ -31,9 +31,10 @@ PARITY = ("Function space first: every run evaluated the same fixed held-out bat
           "run's float64/fp32 gradient probe, e.g. the key third of attn.qkv.bias, whose true gradient is "
           "zero) drift apart under any change of summation order: they are listed apart, with their Δ, and "
           "do not decide the verdict. Tolerances: fp32 1e-4 (function) / 1e-5 (weights); 16-bit loosely. "
-          "A run that rounds on purpose (ZeRO++'s quantized collectives), or whose baseline does, is never a "
-          "match: its training loss is held step by step within a band derived from the rounding's bound and "
-          "the baseline's own per-step loss noise (\"quantized: within band\" or \"OUTSIDE BAND\"; docs/nodes.md).\n")
+          "A run that rounds on purpose (ZeRO++'s quantized collectives; a bf16 master or optimizer state), or "
+          "whose baseline does, is never a match: its training loss is held step by step within a band derived "
+          "from the rounding's bound and the baseline's own per-step loss noise (\"quantized: within band\", "
+          "\"lossy: within band\" or \"OUTSIDE BAND\"; docs/nodes.md, docs/below-the-floor.md).\n")
 TIMING = ("Ratio of p50 step times with a 95 % bootstrap interval (resampling rounds, then steps within "
           "them; seeded, so the same data gives the same verdict); per round: the ratio within each round (the "
           "two runs of one round ran minutes apart). \"within noise\" unless the interval excludes 1.0. "
