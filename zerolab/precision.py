@@ -204,9 +204,17 @@ class MasterCopy:
     def master_to_model(self) -> None:
         if self.mode != "fp32":
             return  # the optimizer wrote the weights
-        rounding = self.precision.weight_rounding if self.precision is not None else "nearest_even"
         for p, m in zip(self.model_params, self.master):
-            round_to_bf16_(m, p, rounding) if p.dtype == torch.bfloat16 else p.copy_(m)
+            self._weight_from_master(p, m)
+
+    def _weight_from_master(self, weight: torch.Tensor, master: torch.Tensor) -> None:
+        """The model's weight from its fp32 master: rounded as precision.weight_rounding says (bf16),
+        or copied."""
+        rounding = self.precision.weight_rounding if self.precision is not None else "nearest_even"
+        if weight.dtype == torch.bfloat16:
+            round_to_bf16_(master, weight, rounding)
+        else:
+            weight.copy_(master)
 
     def fp32(self, i: int) -> torch.Tensor:
         """Parameter i's fp32 master, exactly (a copy where it is stored as a pair)."""
@@ -222,9 +230,7 @@ class MasterCopy:
         value = value.to(device=self.model_params[i].device, dtype=torch.float32).reshape(self.model_params[i].shape)
         if self.mode == "fp32":
             self.master[i].copy_(value)
-            round_to_bf16_(self.master[i], self.model_params[i], self.precision.weight_rounding) \
-                if self.precision is not None and self.model_params[i].dtype == torch.bfloat16 \
-                else self.model_params[i].copy_(value)
+            self._weight_from_master(self.model_params[i], self.master[i])
         elif self.mode == "remainder":
             split_(value.contiguous(), self.model_params[i].data, self.remainders[i])
         else:
