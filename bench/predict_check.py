@@ -11,12 +11,13 @@ of each job, the rounds in alternating order. Then each job predicted from its f
 directory as `python -m zerolab compare` predicts it (zerolab.rehearsal.predict_run: the run's own
 config, rank 0 rehearsed and recorded, priced on `--hardware cpu`); --plot draws them
 (zerolab.predict.runs.plot_comparison). Measured: the p50 of the profiled steps'
-step_time_s with a 95 % bootstrap interval, and their mean parts (summary.json's time_per_rank,
-averaged over the ranks), from each job's least disturbed round (the one with the lowest p50:
-other work on the machine only ever adds time). Printed: predicted, measured with
+step_time_s of all rounds pooled, with a 95 % interval from a bootstrap over rounds and then steps
+(zerolab.report.intervals), so it holds what moves between runs of the same job (fsdp's p50 moved by
+17 % between two runs an hour apart on 2026-12-03) and not only between steps; the parts are the
+mean of the rounds' (summary.json's time_per_rank, averaged over the ranks). Printed: predicted, measured with
 its interval, their ratio, and per (model, world) whether the predicted order of each pair of
 strategies agrees with the measured one where the measured difference is outside its interval
-(zerolab.report.intervals' bootstrap ratio excludes 1). Models: gpt_small (10.8M parameters, 8 x
+(the same bootstrap over rounds and steps of both jobs: the ratio's interval excludes 1). Models: gpt_small (10.8M parameters, 8 x
 128 tokens per rank) and a Llama from transformers written here (bench/models.py's: hidden 384, 6
 layers, grouped-query attention, 8.95M parameters, 4 x 128 tokens per rank).
 """
@@ -38,7 +39,7 @@ sys.path.insert(0, str(ROOT))
 
 from zerolab.predict.hardware import calibration_path  # noqa: E402
 from zerolab.predict.runs import plot_comparison  # noqa: E402
-from zerolab.report.intervals import bootstrap_ratio  # noqa: E402
+from zerolab.report.intervals import bootstrap_ratio, median_interval  # noqa: E402
 from zerolab.run.metrics import read_jsonl  # noqa: E402
 
 PARTS = ("compute", "optimizer", "comm_exposed", "other")
@@ -88,19 +89,11 @@ def measured(overrides: list[str], world: int, steps: int, run_dir: Path) -> dic
             "run_dir": run_dir}
 
 
-def median_interval(times: list[float], reps: int = 2000) -> tuple[float, float]:
-    import numpy as np
-
-    rng = np.random.default_rng(0)
-    draws = np.median(rng.choice(times, (reps, len(times))), axis=1)
-    return float(np.quantile(draws, 0.025)), float(np.quantile(draws, 0.975))
-
-
 def order_check(rows: dict) -> list[str]:
     """Pairs whose measured ratio's interval excludes 1: does the prediction order them the same?"""
     out = []
     for a, b in combinations(sorted(rows), 2):
-        ratio = bootstrap_ratio([rows[a]["measured"]["times"]], [rows[b]["measured"]["times"]])
+        ratio = bootstrap_ratio(rows[a]["rounds"], rows[b]["rounds"])
         if ratio["verdict"] == "within noise":
             continue
         same = (rows[a]["predicted"]["step_s"] > rows[b]["predicted"]["step_s"]) == (ratio["ratio"] > 1)
@@ -122,19 +115,24 @@ def header() -> None:
           f"load average now {os.getloadavg()[0]:.2f}", flush=True)
     print("| model | world | strategy | predicted ms | measured p50 ms [95 %] | predicted / measured | "
           "predicted parts (compute / optimizer / exposed / other) ms | measured parts ms | p50 ms of each round | "
-          "load before -> after |")
+          "load averages |")
     print("|---|---:|---|---:|---:|---:|---|---|---|---|", flush=True)
 
 
 def row(model: str, world: int, strategy: str, pred: dict, runs: list[dict]) -> dict:
-    meas = min(runs, key=lambda m: m["step_s"])  # the least disturbed round
-    lo, hi = median_interval(meas["times"])
+    """Measured: the p50 of every round's profiled steps pooled, its interval from the bootstrap over
+    rounds, then steps (zerolab.report.intervals), so it holds the spread between runs as well as
+    between steps; the parts are the mean over the rounds."""
+    rounds = [m["times"] for m in runs]
+    p50 = statistics.median([t for r in rounds for t in r])
+    lo, hi = median_interval(rounds)
+    parts = {k: statistics.mean(m[k] for m in runs) for k in PARTS}
     ms = lambda values: " / ".join(f"{v * 1e3:.0f}" for v in values)
-    print(f"| {model} | {world} | {strategy} | {pred['step_s'] * 1e3:.0f} | {meas['step_s'] * 1e3:.0f} "
-          f"[{lo * 1e3:.0f}, {hi * 1e3:.0f}] | {pred['step_s'] / meas['step_s']:.3f} | {ms(pred[k] for k in PARTS)} | "
-          f"{ms(meas[k] for k in PARTS)} | {ms(m['step_s'] for m in runs)} | "
-          f"{meas['load'][0]:.2f} -> {meas['load'][1]:.2f} |", flush=True)
-    return {"predicted": pred, "measured": meas}
+    print(f"| {model} | {world} | {strategy} | {pred['step_s'] * 1e3:.0f} | {p50 * 1e3:.0f} "
+          f"[{lo * 1e3:.0f}, {hi * 1e3:.0f}] | {pred['step_s'] / p50:.3f} | {ms(pred[k] for k in PARTS)} | "
+          f"{ms(parts[k] for k in PARTS)} | {ms(m['step_s'] for m in runs)} | "
+          f"{min(m['load'][0] for m in runs):.2f}-{max(m['load'][1] for m in runs):.2f} |", flush=True)
+    return {"predicted": pred, "rounds": rounds, "ratio": pred["step_s"] / p50}
 
 
 def main() -> None:
@@ -143,7 +141,7 @@ def main() -> None:
     p.add_argument("--worlds", default="2,3")
     p.add_argument("--strategies", default="ddp,zero1,zero2,zero3,fsdp")
     p.add_argument("--steps", type=int, default=21)
-    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--plot", default="", help="also draw predicted beside measured parts into this PNG")
     args = p.parse_args()
     header()
@@ -156,12 +154,16 @@ def main() -> None:
             for j in (jobs if k % 2 == 0 else jobs[::-1]):
                 name = f"r{k}-{j[0]}-{j[1]}-{j[2]}"
                 runs[j].append(measured(job(j[0], j[2], llama), j[1], args.steps, Path(d) / name))
+        summary: list = []
         preds = {j: predicted(runs[j][0]["run_dir"], f"{j[0]} {j[1]} {j[2]}") for j in jobs}
         for model, world in dict.fromkeys((m, w) for m, w, _ in jobs):
             rows = {s: row(model, world, s, preds[model, world, s], runs[model, world, s])
                     for s in args.strategies.split(",")}
             for line in order_check(rows):
                 print(f"  order, {model} at {world}: {line}", flush=True)
+            summary.extend(r["ratio"] for r in rows.values())
+        print(f"predicted / measured p50: {sum(0.8 <= x <= 1.2 for x in summary)} of {len(summary)} within 20 %, "
+              f"range {min(summary):.3f}-{max(summary):.3f}")
         if args.plot:
             print(f"plot: {plot_comparison([preds[j] for j in jobs], args.plot)}")
 

@@ -54,6 +54,12 @@ class StepInfo:
         rewrites the same values."""
         return self.skipped is True
 
+    def read(self) -> "StepInfo":
+        """The same with its device tensors read to the host (a logged step's record: a step logged
+        only because it is profiled was decided on the device, as unlogged steps are)."""
+        value = lambda v: v.item() if isinstance(v, torch.Tensor) else v
+        return StepInfo(value(self.grad_norm), value(self.grad_norm_clipped), value(self.skipped), self.extra)
+
 
 def step_name(step: int) -> str:
     """How messages name 0-based optimizer step `step`: as metrics.jsonl counts it, from 1."""

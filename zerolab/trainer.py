@@ -113,11 +113,14 @@ class Trainer:
         return bool(t.eval_every and (step + 1) % t.eval_every == 0) or step + 1 == t.max_steps
 
     def logs_step(self, step: int) -> bool:
+        return self._reports_step(step) or self.watch.profiles(step)
+
+    def _reports_step(self, step: int) -> bool:
         # An eval step is always a logged step: its eval_loss needs a record to land in, whatever
         # trainer.log_every says (eval_every need not be a multiple of log_every).
         t, every = self.cfg.trainer, self.cfg.logging.layer_stats_every
         return ((step + 1) % t.log_every == 0 or step == self.start_step or self.evals_step(step)
-                or bool(every and (step + 1) % every == 0) or self.watch.profiles(step))
+                or bool(every and (step + 1) % every == 0))
 
     def saves_step(self, step: int) -> bool:
         # Every `every` steps, and the last step too: a finished run can be continued from its end.
@@ -126,9 +129,13 @@ class Trainer:
 
     def stats_level(self, step: int, logged: bool) -> int:
         """What the strategy measures about the update (Strategy.step): optimizer statistics cost
-        norms and a device sync, so only on logged steps; per-tensor ratios every layer_stats_every."""
+        norms and a device sync, so only on logged steps; per-tensor ratios every layer_stats_every.
+        A step logged only because it is profiled measures none: its parts are then those of the
+        steps a run does not log (most of them), which is also the step the time model predicts."""
         every = self.cfg.logging.layer_stats_every
-        return 0 if not logged else 2 if every and (step + 1) % every == 0 else 1
+        if not logged or not self._reports_step(step):
+            return 0
+        return 2 if every and (step + 1) % every == 0 else 1
 
     # ---- one optimizer step --------------------------------------------------------------------
     def train_step(self, step: int):
@@ -190,6 +197,7 @@ class Trainer:
     def log_and_eval(self, step: int, step_s: float, local_loss, lr: float, info, run: RunSoFar) -> None:
         """A logged step: its record (the final step's waits for the final eval, in finish), the
         eval when one is due, and the progress line."""
+        info = info.read()
         record, run.per_rank = self.log_step(step, step_s, local_loss, lr, info)
         run.loss = record["loss"]
         if step + 1 == self.cfg.trainer.max_steps:

@@ -29,11 +29,16 @@ from __future__ import annotations
 from typing import Iterable, Iterator
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 
 from zerolab.optim import stored
 from zerolab.optim.segments import LOW_PRECISION, is_flat_group, per_tensor_sum_sq, upcast
 
 IMPLS = ("auto", "foreach", "for_loop")
+# Tensor types the fused kernels take. A dry run's tensors are FakeTensors (zerolab.rehearsal) and
+# stand for plain ones: without it a rehearsal would record the composed path that the real run
+# does not take (seven passes over memory instead of one, and their temporaries).
+PLAIN = (torch.Tensor, torch.nn.Parameter, FakeTensor)
 
 
 class ZerolabOptimizer(torch.optim.Optimizer):
@@ -213,13 +218,13 @@ class ZerolabOptimizer(torch.optim.Optimizer):
         plain (not DTensor), dense, contiguous fp32/fp64 tensor of one dtype on one CPU or CUDA
         device (the CUDA kernel reads the step counters there: _device_steps moves them). 16-bit
         weights keep the composed path: the fused kernel computes them in fp32 and rounds once,
-        which would change bf16_pure's results."""
+        which would change bf16_pure's results. A dry run's fake tensors count as plain (PLAIN)."""
         if self.impl != "auto":
             return False
         tensors = [t for lst in lists for t in lst]
         dtype, device = tensors[0].dtype, tensors[0].device
         return dtype in (torch.float32, torch.float64) and device.type in ("cpu", "cuda") and all(
-            type(t) in (torch.Tensor, torch.nn.Parameter) and t.device == device and t.dtype == dtype
+            type(t) in PLAIN and t.device == device and t.dtype == dtype
             and t.layout == torch.strided and t.is_contiguous() for t in tensors)
 
     def _existing_state(self, params: list[torch.Tensor], *names: str) -> list[torch.Tensor]:

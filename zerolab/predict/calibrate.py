@@ -10,9 +10,16 @@ so each figure is what one rank gets while the others work beside it. Per n:
   counts, causal, half of them, as zerolab.predict.ops counts), at 8 x 6 heads x 128 x 64;
 - memory_bandwidth: bytes/s of elementwise ops on 32 MiB tensors that already exist (in place, and
   into a preallocated output: a training step reuses its buffers), the median of add, mul, copy;
+- fused_adamw_bandwidth: bytes/s of torch's fused AdamW kernel over a transformer's parameter
+  sizes (3M elements), bytes counted as zerolab.predict.ops counts them: the optimizer step of
+  ddp and zerolab's ZeRO stages (fp32), which computes too much per element to run at the memory
+  bandwidth on one core;
 - op_overhead_s: what one kernel costs beyond its roofline: a tiny MLP's forward, backward and
   AdamW step (tensors of a few elements) timed, divided by the kernels zerolab.predict.ops counts
   in it (module calls, autograd and the dispatcher included);
+- meeting_s (n >= 2): what each collective adds because the ranks must meet for it (meeting_cost:
+  compute chunks each followed by a tiny all-reduce, against both alone); more ranks than cores
+  reach a meeting at different times, and the cores idle while the first ones wait;
 - gloo (n >= 2): all-reduce, reduce-scatter, all-gather and broadcast at 256 KiB to 32 MiB, the
   median of 5 after a warm-up, fitted to latency + bytes / bandwidth (bytes: the full buffer).
 
@@ -80,6 +87,24 @@ def memory_rate() -> float:
     return statistics.median(rates)
 
 
+def fused_adamw_rate() -> float:
+    """Bytes/s of torch's fused AdamW kernel (what zerolab's AdamW runs on fp32 tensors), bytes as
+    zerolab.predict.ops counts them, over a transformer's parameter sizes: it computes a dozen
+    operations per element, so on a CPU core it runs below the memory bandwidth."""
+    from zerolab.predict.ops import cost
+
+    sizes = [384 * 384] * 8 + [384 * 1536] * 4 + [512 * 384]  # 3.0M elements, 12 MiB per list
+    params, grads, m, v = ([torch.randn(n) for n in sizes] for _ in range(4))
+    steps = [torch.tensor(1.0) for _ in sizes]
+
+    def step():
+        torch._fused_adamw_(params, grads, m, v, [], steps, lr=1e-3, beta1=0.9, beta2=0.999, weight_decay=0.01,
+                            eps=1e-8, amsgrad=False, maximize=False)
+    op = torch.ops.aten._fused_adamw_.default
+    moved = cost(op, (params, grads, m, v, [], steps), {}, None)[1]
+    return moved / _seconds_per_call(step)
+
+
 def op_overhead(bandwidth: float) -> float:
     """Seconds per kernel beyond the roofline, from a tiny model's step (module docstring)."""
     from torch.utils._python_dispatch import TorchDispatchMode
@@ -137,6 +162,33 @@ def gloo_fits(world: int) -> dict:
     return out
 
 
+def meeting_cost(iterations: int = 30) -> float:
+    """Seconds a collective costs beyond its own time because the ranks must meet for it: every
+    rank runs a chunk of compute (32 matmuls of 384 x 384, some 20 ms of one core's) and then a
+    4-byte all-reduce, `iterations` times; less the same chunks alone and the all-reduce alone.
+    Where ranks outnumber the cores the scheduler runs them in turns, so they reach each meeting
+    at different times and the cores sit partly idle while the first wait; with a core each, ~0."""
+    import torch.distributed as dist
+
+    a, b, flag = torch.randn(384, 384), torch.randn(384, 384), torch.zeros(1)
+
+    def chunk():
+        for _ in range(32):
+            torch.mm(a, b)
+
+    def timed(fn, n: int) -> float:  # a fixed count on every rank: they must issue the same collectives
+        fn()
+        dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        return (time.perf_counter() - t0) / n
+    compute = timed(chunk, iterations)
+    alone = timed(lambda: dist.all_reduce(flag), 5 * iterations)
+    both = timed(lambda: (chunk(), dist.all_reduce(flag)), iterations)
+    return max(0.0, both - compute - alone)
+
+
 def _fit(points: list[tuple[int, float]]) -> dict:
     """Least squares t = latency + bytes / bandwidth (latency at least 0)."""
     xs, ys = [p[0] for p in points], [p[1] for p in points]
@@ -156,7 +208,7 @@ def _worker(rank: int, world: int, init: str, out_dir: str) -> None:
         figures = {}
         for name, bench in (("matmul_fp32", lambda: matmul_rate(torch.float32)),
                             ("matmul_bf16", lambda: matmul_rate(torch.bfloat16)), ("attention_fp32", attention_rate),
-                            ("memory_bandwidth", memory_rate)):
+                            ("memory_bandwidth", memory_rate), ("fused_adamw_bandwidth", fused_adamw_rate)):
             dist.barrier()  # every rank measures at once, as a real run's ranks compute at once
             figures[name] = bench()
         dist.barrier()
@@ -164,6 +216,8 @@ def _worker(rank: int, world: int, init: str, out_dir: str) -> None:
         dist.barrier()
         if world > 1:
             figures["gloo"] = {str(world): gloo_fits(world)}
+            dist.barrier()
+            figures["meeting_s"] = meeting_cost()
         with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
             json.dump(figures, f)
         # No rank tears its connections down while another is still in a collective: gloo's
@@ -223,7 +277,9 @@ def cli_main(argv: list[str]) -> int:
     for n, c in result["ranks"].items():
         print(f"{n} rank(s): matmul fp32 {c['matmul_fp32'] / 1e9:.1f} GFLOP/s, bf16 {c['matmul_bf16'] / 1e9:.1f}, "
               f"attention {c['attention_fp32'] / 1e9:.1f}, memory {c['memory_bandwidth'] / 1e9:.1f} GB/s, "
-              f"{c['op_overhead_s'] * 1e6:.1f} us per kernel")
+              f"fused AdamW {c['fused_adamw_bandwidth'] / 1e9:.1f} GB/s, "
+              f"{c['op_overhead_s'] * 1e6:.1f} us per kernel"
+              + (f", {c['meeting_s'] * 1e3:.2f} ms per meeting" if "meeting_s" in c else ""))
     for kind, by_size in result["ranks"][str(counts[-1])]["gloo"].items():
         print(f"gloo {kind}: " + ", ".join(f"{n} ranks {f['latency_s'] * 1e6:.0f} us + bytes / "
                                            f"{f['bandwidth'] / 1e9:.2f} GB/s" for n, f in sorted(by_size.items())))

@@ -41,6 +41,8 @@ class Device:
     host_sync: bool = False  # a CPU: one timeline, waits block the host (no streams)
     gloo: dict = field(default_factory=dict)  # cpu: calibrated collectives, kind -> group size -> latency, bandwidth
     kernel_flops: dict = field(default_factory=dict)  # cpu: op name -> measured FLOP/s where it is not a matmul's
+    kernel_bandwidth: dict = field(default_factory=dict)  # cpu: op name -> measured bytes/s where it is not memory's
+    meeting_s: float = 0.0  # cpu: what a collective adds because the ranks must meet for it (calibrate.meeting_cost)
     overlap_rate: float = 1.0  # cpu: the speed of compute and of a collective while both run (overlap_rate())
 
     def peak(self, dtype: str) -> float:
@@ -85,6 +87,7 @@ LINKS = {k.name: k for k in (
     Link("eth-100", "Ethernet, 100 Gb/s per GPU", 12.5e9, 14.0e-6, "100 Gb Ethernet per GPU"),
 )}
 BASE_LATENCY_S = 8.4e-6  # per collective (module docstring)
+FUSED_ADAM_KERNELS = ("_fused_adamw_", "_fused_adam_")  # one kernel (Adam's decay is a flag)
 ATTENTION_KERNELS = ("_scaled_dot_product_flash_attention_for_cpu",
                      "_scaled_dot_product_flash_attention_for_cpu_backward")
 
@@ -120,6 +123,9 @@ def cpu_device(ranks: int, path: str = "") -> Device:
                   f"measured here by python -m zerolab.predict calibrate, {cal.get('date', '?')} ({path})",
                   achievable=1.0, op_overhead_s=c["op_overhead_s"], host_sync=True, gloo=c.get("gloo", {}),
                   kernel_flops={name: c["attention_fp32"] for name in ATTENTION_KERNELS},
+                  kernel_bandwidth={name: c["fused_adamw_bandwidth"] for name in FUSED_ADAM_KERNELS
+                                    if "fused_adamw_bandwidth" in c},  # (calibrations before 2026-12-04 lack it)
+                  meeting_s=c.get("meeting_s", 0.0),
                   overlap_rate=overlap_rate(int(cal.get("cores") or os.cpu_count() or 1), ranks))
 
 

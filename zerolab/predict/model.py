@@ -45,7 +45,8 @@ class Prediction:
 def op_seconds(op: Op, dev: Device) -> float:
     a = dev.achievable
     compute = op.flops / (dev.kernel_flops.get(op.name) or dev.peak(op.dtype) * a) if op.flops else 0.0
-    return max(compute, op.bytes / (dev.memory_bandwidth * a)) + dev.op_overhead_s * op.kernels
+    bandwidth = dev.kernel_bandwidth.get(op.name) or dev.memory_bandwidth * a
+    return max(compute, op.bytes / bandwidth) + dev.op_overhead_s * op.kernels
 
 
 def predict(record: StepRecord, topo: Topology, tokens_per_rank: int, flops_per_token: float,
@@ -54,6 +55,7 @@ def predict(record: StepRecord, topo: Topology, tokens_per_rank: int, flops_per_
     dev = topo.device
     priced = {c.index: topo.price(c.kind, c.bytes, c.ranks) for c in record.collectives}
     r = replay(record, lambda op: op_seconds(op, dev), lambda c: priced[c.index].seconds, streams=not dev.host_sync,
+               meeting_s=dev.meeting_s,
                overlap_rate=dev.overlap_rate)
     per_device = tokens_per_rank / r.step_s if r.step_s > 0 else 0.0
     mfu = per_device * flops_per_token / dev.peak(dtype) if dev.peak(dtype) else 0.0
@@ -96,8 +98,11 @@ def assumptions(dev: Device, topo: Topology, dtype: str) -> list[str]:
            f"achievable: x{a:g} of every peak" + (" (GPU factor, fitted on one published run: docs/predict.md)"
                                                    if not dev.host_sync else " (measured figures)"),
            "each op: max(FLOPs / FLOP/s, bytes / bandwidth)" + (f" + {dev.op_overhead_s * 1e6:.1f} us per kernel"
-                                                               if dev.op_overhead_s else ""),
-           f"links: {topo.describe()}",
+                                                               if dev.op_overhead_s else "")
+           + "".join(f"; {name} at {bw / 1e9:.1f} GB/s (measured)" for name, bw in sorted(dev.kernel_bandwidth.items())
+                     if name == "_fused_adamw_"),
+           f"links: {topo.describe()}" + (f"; each collective + {dev.meeting_s * 1e3:.2f} ms for the ranks to meet "
+                                          f"(measured: ranks sharing cores arrive apart)" if dev.meeting_s else ""),
            (("overlap: one timeline on the host; a collective runs on gloo's threads from its issue to its wait, "
              + ("beside the compute at no cost" if dev.overlap_rate >= 1 else
                 f"sharing the cores with the compute: both at x{dev.overlap_rate:g} of their speed while both run"))

@@ -8,7 +8,8 @@ attention does half the work of a full one (a flash kernel skips the masked tile
 are halved here; MFU still counts the full product (the convention, zerolab.profile.flops).
 
 Bytes: every input tensor is read once and every tensor the op writes (a fresh output, or an
-argument it mutates) is written once, at its own size (an expanded view counts its storage, not
+argument it mutates) is written once, at its own size; an argument the op only writes (`out=`, the
+destination of copy_, zero_, fill_) is not also read (an expanded view counts its storage, not
 its broadcast size). An op whose outputs are views of its inputs (view, transpose, detach,
 _unsafe_view) moves nothing and costs nothing; so do allocations (empty).
 
@@ -51,6 +52,20 @@ def _cpu_flash_backward(grad_out, query, key, value, *_args, **_kwargs) -> int:
 FORMULAS = {**fc.flop_registry,
             _CPU_FLASH: fc.shape_wrapper(_cpu_flash),
             _CPU_FLASH_BACKWARD: fc.shape_wrapper(_cpu_flash_backward)}
+
+
+# In-place ops that overwrite their first argument without reading it.
+WRITE_ONLY_SELF = {aten.copy_, aten.zero_, aten.fill_, aten.normal_, aten.uniform_, aten.random_,
+                   aten.bernoulli_, aten.exponential_, aten._foreach_zero_, aten._foreach_copy_}
+
+
+def _read_arguments(packet, sch, args, kwargs) -> list:
+    """The tensors an op reads: its tensor arguments but those it only writes (WRITE_ONLY_SELF's
+    first argument, an `out` argument). By position, not storage: div(m, d, out=d) reads d."""
+    only_written = {(i, n) for i, n in sch.mutated if n.startswith("out") or (i == 0 and packet in WRITE_ONLY_SELF)}
+    positional = [a for i, a in enumerate(args) if not any(i == j for j, _ in only_written)]
+    named = {k: v for k, v in kwargs.items() if not any(k == n for _, n in only_written)}
+    return [t for t in tree_leaves((positional, named)) if isinstance(t, torch.Tensor)]
 
 
 @dataclass(frozen=True)
@@ -131,7 +146,10 @@ def cost(func, args, kwargs, out) -> tuple[float, int, int, bool, str]:
     mutated = [t for i, n in sch.mutated for t in tree_leaves(_arg(args, kwargs, i, n)) if isinstance(t, torch.Tensor)]
     if not mutated and (not out_leaves or _storages(out_leaves) <= _storages(ins)):
         return 0.0, 0, 0, True, ""  # views (declared, or sharing their input's storage): nothing moves
-    moved = sum(map(tensor_bytes, ins)) + sum(map(tensor_bytes, out_leaves)) + sum(map(tensor_bytes, mutated))
+    # A written argument is also read, unless the op only writes it (an `out=`, or a fill's, zero's
+    # or copy's destination): the calibration's add-into-out moves three tensors, not four.
+    read = _read_arguments(packet, sch, args, kwargs)
+    moved = sum(map(tensor_bytes, read)) + sum(map(tensor_bytes, out_leaves)) + sum(map(tensor_bytes, mutated))
     first = args[0] if args else None
     kernels = len(first) if isinstance(first, (list, tuple)) and first and isinstance(first[0], torch.Tensor) else 1
     formula = FORMULAS.get(packet)

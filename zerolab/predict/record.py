@@ -10,7 +10,10 @@ as torch's fake process group sees it.
 
 Where it hooks, and why there:
 - ops: a TorchDispatchMode entered inside the rehearsal's FakeTensorMode, so it sees each op as the
-  program issues it (after autograd, before the fake kernels), once;
+  program issues it (after autograd, before the fake kernels), once. An op on DTensors (FSDP2's
+  parameters and gradients, and so its optimizer step) is handed to DTensor first: what it runs is
+  recorded, the local ops on each rank's shard and the collectives its redistributions issue (a
+  gradient norm's all-reduce of a Partial sum), which a real step waits for at once;
 - collectives: the methods of torch's ProcessGroup (zerolab.profile.commwatch's list), so each
   carries its group; functional collectives (DTensor's) at the dispatch level, by group name;
 - waits: FakeWork.wait / Work.wait, and `_c10d_functional.wait_tensor`. A Work whose future is
@@ -38,7 +41,9 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from zerolab.models import find_blocks
 from zerolab.predict.ops import cost, memory_bound, tensor_bytes
@@ -119,6 +124,10 @@ class _OpMode(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if any(isinstance(t, DTensor) for t in tree_leaves((args, kwargs))):
+            # DTensor's own dispatch goes first: its local ops and the collectives it issues to
+            # redistribute (a Partial sum's all-reduce) come back here, each recorded as it runs.
+            return NotImplemented
         out = func(*args, **kwargs)
         rec = self.recorder
         if rec.step is not None:

@@ -15,6 +15,12 @@ The rules (one compute timeline, one communication timeline per process group):
 Collectives on one group are serialized: two that shared its links at once would take as long
 together.
 
+A collective ends when the last rank has joined it. Where ranks share cores (more ranks than cores
+on a CPU), they reach it apart: `meeting_s` (calibrated) after its issue, on average. It does not
+take the cores (the ranks that wait sleep); it delays the collective's end, so a collective waited
+for soon after its issue (FSDP2's on a CPU) exposes it, and one with compute enough behind it hides
+it. Zero on a GPU, where the ranks do not share a device.
+
 On a CPU whose cores the ranks' compute threads and gloo's threads share (fewer cores than twice
 the ranks: hardware.overlap_rate), overlap is not free: while a collective is in flight, it and
 the compute each run at `overlap_rate` of their speed alone (processor sharing). The collectives
@@ -49,13 +55,15 @@ class Replay:
     exposed_by_kind: dict = field(default_factory=dict)  # collective kind -> exposed seconds
 
 
-def replay(record: StepRecord, op_seconds, coll_seconds, streams: bool, overlap_rate: float = 1.0) -> Replay:
+def replay(record: StepRecord, op_seconds, coll_seconds, streams: bool, overlap_rate: float = 1.0,
+           meeting_s: float = 0.0) -> Replay:
     """`op_seconds(op)`, `coll_seconds(collective)`: their priced times. `streams`: a GPU's
     streams (False: a CPU, where everything runs on the host's one timeline). `overlap_rate` < 1:
-    a CPU's shared cores (the module docstring)."""
+    a CPU's shared cores (the module docstring). `meeting_s`: how long after its issue the last
+    rank joins a collective (ranks sharing cores: the module docstring)."""
     durations = [op_seconds(e) if isinstance(e, Op) else coll_seconds(e) if isinstance(e, Collective) else 0.0
                  for e in record.events]
-    sim = _Sim(streams) if streams or overlap_rate >= 1 else _SharedCores(overlap_rate)
+    sim = _Sim(streams, meeting_s) if streams or overlap_rate >= 1 else _SharedCores(overlap_rate, meeting_s)
     starts = []
     for tile in range(REPEATS):
         starts.append(sim.ready[0])
@@ -67,8 +75,8 @@ def replay(record: StepRecord, op_seconds, coll_seconds, streams: bool, overlap_
 
 
 class _Sim:
-    def __init__(self, streams: bool):
-        self.streams = streams
+    def __init__(self, streams: bool, meeting_s: float = 0.0):
+        self.streams, self.meeting_s = streams, meeting_s
         self.ready = defaultdict(float)  # stream -> when the work issued on it so far is done
         self.why = {}  # stream -> the collective kind its ready time waits for, if a wait set it
         self.group_free = defaultdict(float)  # group's ranks -> when its last collective ends
@@ -86,7 +94,7 @@ class _Sim:
                 if measured and s == 0:
                     self.parts[PART_OF_PHASE[e.phase]] += d
             elif isinstance(e, Collective):
-                start = max(self.ready[s], self.group_free[e.ranks])
+                start = max(self.ready[s] + self.meeting_s, self.group_free[e.ranks])
                 self.group_free[e.ranks] = start + d
                 self.ends[tile, e.index] = (start + d, e.kind)
             elif isinstance(e, Wait):
@@ -119,10 +127,11 @@ class _Sim:
 class _SharedCores(_Sim):
     """One host whose cores the compute and gloo's threads share (the module docstring)."""
 
-    def __init__(self, rate: float):
-        super().__init__(streams=False)
+    def __init__(self, rate: float, meeting_s: float = 0.0):
+        super().__init__(streams=False, meeting_s=meeting_s)
         self.rate = rate
         self.queue: dict = {}  # (tile, index) -> [collective seconds left, kind], in issue order
+        self.earliest: dict = {}  # (tile, index) -> (its issue + the meeting + its own time, kind)
 
     def tile(self, record: StepRecord, durations: list, tile: int, measured: bool) -> None:
         for e, d in zip(record.events, durations):
@@ -133,8 +142,12 @@ class _SharedCores(_Sim):
                     self.parts[PART_OF_PHASE[e.phase]] += x / self.rate + (d - x)
             elif isinstance(e, Collective):
                 self.queue[tile, e.index] = [d, e.kind]
+                self.earliest[tile, e.index] = (self.ready[0] + self.meeting_s + d, e.kind)
             elif isinstance(e, Wait):
-                self._drain_to((tile - e.carried, e.index), measured)
+                key = (tile - e.carried, e.index)
+                self._drain_to(key, measured)
+                end, kind = self.earliest.pop(key, (0.0, ""))
+                self._hold(0, end, kind, measured)  # the last rank joined it late: that wait is exposed too
 
     def _run_queue(self, budget: float) -> float:
         """Advance the queued collectives by up to `budget` seconds of their work; what was done."""
