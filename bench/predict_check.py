@@ -14,12 +14,13 @@ config, rank 0 rehearsed and recorded, priced on `--hardware cpu`); --plot draws
 step_time_s of all rounds pooled, with a 95 % interval from a bootstrap over rounds and then steps
 (zerolab.report.intervals), so it holds what moves between runs of the same job (fsdp's p50 moved by
 17 % between two runs an hour apart on 2026-12-03) and not only between steps; the parts are the
-mean of the rounds' (summary.json's time_per_rank, averaged over the ranks). Printed: predicted, measured with
-its interval, their ratio, and per (model, world) whether the predicted order of each pair of
+mean of the rounds' (summary.json's time_per_rank, averaged over the ranks). Printed: predicted,
+measured with its interval, their ratio, and per (model, world) whether the predicted order of each pair of
 strategies agrees with the measured one where the measured difference is outside its interval
-(the same bootstrap over rounds and steps of both jobs: the ratio's interval excludes 1). Models: gpt_small (10.8M parameters, 8 x
-128 tokens per rank) and a Llama from transformers written here (bench/models.py's: hidden 384, 6
-layers, grouped-query attention, 8.95M parameters, 4 x 128 tokens per rank).
+(the same bootstrap over rounds and steps of both jobs: the ratio's interval excludes 1).
+Models: gpt_small (10.8M parameters, 8 x 128 tokens per rank) and a Llama from transformers
+written here (bench/models.py's: hidden 384, 6 layers, grouped-query attention, 8.95M parameters,
+4 x 128 tokens per rank).
 """
 from __future__ import annotations
 

@@ -191,3 +191,26 @@ def test_fp16_unscales_by_the_scale_backward_used(one_rank, tmp_path, every):
         assert all(torch.equal(master, model.float() / used) for master, model in pairs), step
     assert trainer.precision.scaler.scale == 2.0 ** 13  # 2^10 doubled after each of the 3 clean steps
     trainer.close()
+
+
+def test_a_step_logged_only_for_its_profile_runs_as_an_unlogged_step(one_rank, tmp_path, monkeypatch):
+    """profile.steps=[3]: step 3 is logged (its parts need a record) but is not a reporting step, so
+    it is the step a run does not log, the one the time model predicts: decided on the device, no
+    host read inside the strategy's step, no optimizer statistics; its record holds the norms read
+    after the step."""
+    trainer = trainer_for(one_rank, tmp_path / "run", "zero2", "trainer.log_every=100", "profile.steps=[3]",
+                          "optim.grad_clip=0.05")
+    step = 2  # 0-based: metrics.jsonl's step 3
+    assert trainer.logs_step(step) and trainer.stats_level(step, True) == 0
+    assert trainer.stats_level(0, True) == 1  # the run's first step reports: measured on the host
+    summary = trainer.fit()
+    trainer.close()
+    import json
+
+    records = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
+    profiled = next(r for r in records if r.get("step") == 3)
+    assert isinstance(profiled["grad_norm"], float) and profiled["grad_norm"] > 0.05
+    assert not any(k.startswith("update") for k in profiled), sorted(profiled)
+    assert summary["time_per_rank"][0]["time/step_s"] > 0  # its parts were measured
+    assert any(k.startswith("update") for k in records[0]), sorted(records[0])  # step 1 reports them
+    assert summary["skipped_steps"] == 0

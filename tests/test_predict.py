@@ -40,6 +40,27 @@ def test_an_op_costs_the_larger_of_its_compute_and_its_memory_time():
     assert math.isclose(op_seconds(op(flops=2e12, kernels=3), slower), 2e12 / 50e12 + 3 * 2e-6, rel_tol=REL)
 
 
+def test_an_op_reads_its_inputs_and_writes_its_outputs_once():
+    """Bytes as zerolab.predict.ops counts them, on real 1,000-element fp32 tensors (4,000 bytes):
+    an out= argument and the destination of copy_ / zero_ are written, not read; an in-place op's
+    self is both; div(m, d, out=d) reads d as its divisor; a view moves nothing."""
+    import torch
+
+    from zerolab.predict.ops import cost
+
+    aten, n = torch.ops.aten, 4000
+    a, b, c = torch.randn(1000), torch.randn(1000), torch.empty(1000)
+    moved = lambda func, args, kwargs, out: cost(func, args, kwargs, out)[1]
+    assert moved(aten.add.Tensor, (a, b), {}, a + b) == 3 * n
+    assert moved(aten.add.out, (a, b), {"out": c}, c) == 3 * n
+    assert moved(aten.div.out, (a, b), {"out": b}, b) == 3 * n
+    assert moved(aten.mul_.Scalar, (a, 2.0), {}, a) == 2 * n
+    assert moved(aten.copy_.default, (c, a), {}, c) == 2 * n
+    assert moved(aten.zero_.default, (a,), {}, a) == n
+    assert moved(aten._foreach_zero_.default, ([a, b],), {}, None) == 2 * n
+    assert moved(aten.view.default, (a, [10, 100]), {}, a.view(10, 100)) == 0
+
+
 # ---- collectives on links --------------------------------------------------------------------------
 def topo(world: int, gpn: int = 8) -> Topology:
     return Topology(world, gpn, FAST, SLOW, DEV)
@@ -92,9 +113,9 @@ def coll(index, kind="all_gather", phase="forward", stream=0, ranks=(0, 1)):
     return Collective(index, kind, 1, ranks, phase, stream)
 
 
-def run(events, seconds: dict, streams=True, overlap_rate=1.0):
+def run(events, seconds: dict, streams=True, overlap_rate=1.0, meeting_s=0.0):
     rec = StepRecord(events=events, collectives=[e for e in events if isinstance(e, Collective)])
-    return replay(rec, lambda o: o.bytes, lambda c: seconds[c.index], streams, overlap_rate)
+    return replay(rec, lambda o: o.bytes, lambda c: seconds[c.index], streams, overlap_rate, meeting_s)
 
 
 def test_a_collective_hides_behind_the_compute_issued_between_it_and_its_wait():
@@ -141,6 +162,26 @@ def test_on_shared_cores_a_hidden_collective_still_lengthens_the_compute():
     assert shared.step_s == 7.5 == 2 + 1 + 0.5 + 1 + 3  # every second of compute and collective, one after another
     free = run(events, {0: 1.0, 1: 3.0}, streams=False, overlap_rate=1.0)
     assert free.step_s == 5.5 and free.parts["comm_exposed"] == 2.0
+
+
+def test_ranks_that_meet_late_delay_a_collective_without_taking_the_cores():
+    """A 0.5 s meeting (ranks sharing cores reach a collective apart). A 1 s gather waited for at
+    once: its end moves from 1 s to 1.5 s, all exposed. The same gather with 2 s of compute after
+    it on free cores: it ends at 1.5 s, hidden, and the compute is not slowed (those who wait sleep).
+    On shared cores (rate 1/2) the gather's 1 s of work runs beside the op as before; the meeting
+    adds nothing there: the op ends at 3 s, after the gather's earliest end (1.5 s)."""
+    at_once = [coll(0), Wait(0, False, "forward", 0), op(nbytes=1)]
+    r = run(at_once, {0: 1.0}, streams=False, overlap_rate=1.0, meeting_s=0.5)
+    assert r.parts["comm_exposed"] == 1.5 and r.step_s == 2.5
+    behind = [coll(0), op(nbytes=2), Wait(0, False, "forward", 0)]
+    assert run(behind, {0: 1.0}, streams=False, meeting_s=0.5).step_s == 2.0
+    shared = run(behind, {0: 1.0}, streams=False, overlap_rate=0.5, meeting_s=0.5)
+    assert shared.step_s == 3.0 and shared.parts["comm_exposed"] == 0.0
+    short = [coll(0), op(nbytes=0.25), Wait(0, False, "forward", 0)]  # shared cores, 0.25 s of compute
+    # the op's 0.25 s runs beside 0.25 s of the gather (0.5 s); 0.75 s of work left: 1.25 s; the
+    # earliest end is 1.5 s: 0.25 s more exposed, 1.0 s in all
+    r = run(short, {0: 1.0}, streams=False, overlap_rate=0.5, meeting_s=0.5)
+    assert math.isclose(r.parts["comm_exposed"], 1.0) and math.isclose(r.step_s, 1.5)
 
 
 def test_the_cores_are_shared_when_ranks_and_gloo_threads_outnumber_them():
@@ -213,7 +254,7 @@ def test_overrides_change_the_figure_they_name():
 
 CALIBRATION = {"machine": "test", "date": "2026-12-03", "cores": 2, "ranks": {
     str(n): {"matmul_fp32": 50e9 / n, "matmul_bf16": 1e9, "attention_fp32": 20e9, "memory_bandwidth": 10e9,
-             "op_overhead_s": 1e-5,
+             "op_overhead_s": 1e-5, "fused_adamw_bandwidth": 4e9, "meeting_s": 2e-3 * (n > 1),
              "gloo": {"all_reduce": {"2": {"latency_s": 1e-4, "bandwidth": 1e9},
                                      "3": {"latency_s": 2e-4, "bandwidth": 5e8}},
                       "all_gather": {"2": {"latency_s": 0.0, "bandwidth": 4e8}}}} for n in (1, 2, 3)}}
@@ -226,7 +267,10 @@ def test_the_cpu_entry_is_this_machines_calibration(tmp_path, monkeypatch):
     path.write_text(json.dumps(CALIBRATION))
     monkeypatch.setenv("ZEROLAB_CPU_CALIBRATION", str(path))
     cpu = device("cpu", 2)
-    assert cpu.host_sync and cpu.flops["fp32"] == 25e9 and cpu.op_overhead_s == 1e-5
+    assert cpu.host_sync and cpu.flops["fp32"] == 25e9 and cpu.op_overhead_s == 1e-5 and cpu.meeting_s == 2e-3
+    # the fused AdamW kernel at its own measured rate, every other memory-bound op at the bandwidth's
+    fused, plain = op("_fused_adamw_", nbytes=4e8, kernels=0), op("add", nbytes=4e8, kernels=0)
+    assert op_seconds(fused, cpu) == 4e8 / 4e9 and op_seconds(plain, cpu) == 4e8 / 10e9
     assert cpu_device(7, str(path)).flops["fp32"] == 50e9 / 3  # more ranks than measured: the largest count
     t = Topology(2, 2, LINKS["pcie4"], LINKS["pcie4"], cpu)
     assert math.isclose(t.price("all_reduce", 1e8, (0, 1)).seconds, 1e-4 + 1e8 / 1e9, rel_tol=REL)

@@ -61,6 +61,47 @@ def test_fsdp_runs_its_collectives_on_its_own_streams():
     assert any(isinstance(e, Sync) and e.what == "wait_event" and e.stream == 0 for e in r.record.events)
 
 
+def test_the_optimizer_runs_the_kernel_the_real_run_runs():
+    """zerolab's AdamW runs torch's fused kernel on plain fp32 tensors: the dry run's fake tensors
+    take that path too (one pass over memory), and FSDP2's DTensors the composed one, as in a real run."""
+    names = lambda r: {e.name for e in r.record.ops() if e.phase == "optimizer"}
+    for strategy in ("ddp", "zero2"):
+        assert "_fused_adamw_" in names(recorded(strategy, 2)), strategy
+    fsdp = names(recorded("fsdp", 2))
+    assert "_fused_adamw_" not in fsdp and "_foreach_lerp_" in fsdp
+
+
+def test_dtensor_ops_are_recorded_as_what_dtensor_runs():
+    """An op on DTensors is recorded as DTensor runs it: the local op on this rank's shard, and the
+    all-reduce its redistribution issues (a Partial sum made whole), waited for at once."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from zerolab import dist as zdist
+    from zerolab.predict.record import Collective, Recorder, StepRecord, _OpMode
+    from zerolab.rehearsal import _join
+
+    ctx = _join(3, 0)
+    try:
+        mesh = init_device_mesh("cpu", (3,))
+        rec = Recorder(strategy=None, model=None)
+        with FakeTensorMode():
+            x = distribute_tensor(torch.randn(30, 4), mesh, [Shard(0)])
+            with _OpMode(rec):
+                x.pow(2).sum().full_tensor()  # unrecorded: DTensor's sharding cache warms, as in a step before
+                rec.step = StepRecord()
+                x.pow(2).sum().full_tensor()
+        ops = [e for e in rec.step.events if isinstance(e, Op)]
+        colls = [e for e in rec.step.events if isinstance(e, Collective)]
+        assert [(o.name, o.bytes) for o in ops if o.name == "pow"] == [("pow", 2 * 10 * 4 * 4)]  # the 10-row shard
+        assert [(c.kind, c.bytes, c.ranks) for c in colls] == [("all_reduce", 4, (0, 1, 2))]
+        assert [e.index for e in rec.step.events if isinstance(e, Wait)] == [0]
+    finally:
+        zdist.shutdown(ctx)
+
+
 def test_the_recorded_flops_are_the_models_matmuls():
     """gpt_tiny's forward: 2 FLOPs per weight of each matmul per token, plus attention's
     2 x 2 x T x d per layer per token, halved (causal: a flash kernel skips half); backward twice
