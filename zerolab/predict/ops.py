@@ -59,12 +59,15 @@ WRITE_ONLY_SELF = {aten.copy_, aten.zero_, aten.fill_, aten.normal_, aten.unifor
                    aten.bernoulli_, aten.exponential_, aten._foreach_zero_, aten._foreach_copy_}
 
 
-def _read_arguments(packet, sch, args, kwargs) -> list:
-    """The tensors an op reads: its tensor arguments but those it only writes (WRITE_ONLY_SELF's
-    first argument, an `out` argument). By position, not storage: div(m, d, out=d) reads d."""
-    only_written = {(i, n) for i, n in sch.mutated if n.startswith("out") or (i == 0 and packet in WRITE_ONLY_SELF)}
-    positional = [a for i, a in enumerate(args) if not any(i == j for j, _ in only_written)]
-    named = {k: v for k, v in kwargs.items() if not any(k == n for _, n in only_written)}
+def _read_arguments(sch, args, kwargs) -> list:
+    """The tensors an op reads: its tensor arguments but those it only writes (sch.written_only).
+    By position, not storage: div(m, d, out=d) reads d."""
+    if not sch.written_only:
+        return [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+    positions = {i for i, _ in sch.written_only}
+    names = {n for _, n in sch.written_only}
+    positional = [a for i, a in enumerate(args) if i not in positions]
+    named = {k: v for k, v in kwargs.items() if k not in names}
     return [t for t in tree_leaves((positional, named)) if isinstance(t, torch.Tensor)]
 
 
@@ -74,6 +77,7 @@ class _Schema:
     mutated: tuple  # (position, name) of each argument it writes
     fresh: tuple  # per result: True when it is a new tensor (not an alias of an input)
     causal: tuple  # (position, name) of an is_causal argument, if any
+    written_only: tuple  # (position, name) of each argument it writes without reading (`out`, WRITE_ONLY_SELF's)
 
 
 @functools.lru_cache(maxsize=None)
@@ -83,7 +87,9 @@ def _schema(func) -> _Schema:
                     if a.alias_info is not None and a.alias_info.is_write)
     fresh = tuple(r.alias_info is None for r in s.returns)
     causal = tuple((i, a.name) for i, a in enumerate(s.arguments) if a.name == "is_causal")
-    return _Schema(mutated, fresh, causal)
+    written_only = tuple((i, n) for i, n in mutated
+                         if n.startswith("out") or (i == 0 and func._overloadpacket in WRITE_ONLY_SELF))
+    return _Schema(mutated, fresh, causal, written_only)
 
 
 def _arg(args, kwargs, position: int, name: str):
@@ -148,7 +154,7 @@ def cost(func, args, kwargs, out) -> tuple[float, int, int, bool, str]:
         return 0.0, 0, 0, True, ""  # views (declared, or sharing their input's storage): nothing moves
     # A written argument is also read, unless the op only writes it (an `out=`, or a fill's, zero's
     # or copy's destination): the calibration's add-into-out moves three tensors, not four.
-    read = _read_arguments(packet, sch, args, kwargs)
+    read = _read_arguments(sch, args, kwargs)
     moved = sum(map(tensor_bytes, read)) + sum(map(tensor_bytes, out_leaves)) + sum(map(tensor_bytes, mutated))
     first = args[0] if args else None
     kernels = len(first) if isinstance(first, (list, tuple)) and first and isinstance(first[0], torch.Tensor) else 1

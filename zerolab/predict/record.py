@@ -43,7 +43,6 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 from zerolab.models import find_blocks
 from zerolab.predict.ops import cost, memory_bound, tensor_bytes
@@ -124,7 +123,7 @@ class _OpMode(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if any(isinstance(t, DTensor) for t in tree_leaves((args, kwargs))):
+        if any(issubclass(t, DTensor) for t in types):  # (types: the tensor subclasses among the arguments)
             # DTensor's own dispatch goes first: its local ops and the collectives it issues to
             # redistribute (a Partial sum's all-reduce) come back here, each recorded as it runs.
             return NotImplemented
