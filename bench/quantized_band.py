@@ -142,7 +142,7 @@ def eval_line(got: list[dict], ref: list[dict]) -> str:
 # ---- 2. the assumptions, measured in this process ----------------------------------------------------
 def qdq(rows: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Rows quantized and dequantized as the wire does, and each element's s/2 (its block's)."""
-    from zerolab.strategies.quantize import decode, encode
+    from zerolab.strategies.zero.quantized import decode, encode
 
     values, scale = decode(encode(rows, BLOCK, bits), rows.shape[1], BLOCK, bits)
     return values, (scale / 2).repeat_interleave(BLOCK, dim=1)[:, :rows.shape[1]]
@@ -163,7 +163,7 @@ def flat(tensors, n: int) -> torch.Tensor:
 
 
 def qgz_replay(contrib: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """qgZ's two int4 hops on one bucket (quantize.py's module docstring): `contrib[j]` is rank j's
+    """qgZ's two int4 hops on one bucket (zero/quantized.py's module docstring): `contrib[j]` is rank j's
     gradient / N; returns the reduced bucket (chunks in rank order) and each element's bound Σ s/2."""
     n, m = PER_NODE, WORLD // PER_NODE
     c = len(contrib[0]) // WORLD

@@ -26,8 +26,9 @@ import pytest
 
 # Imported once by the forkserver; every rank forked from it starts with them loaded.
 PRELOAD = ["torch", "torch.distributed", "hydra", "omegaconf", "numpy", "safetensors.torch",
-           "zerolab.job", "zerolab.trainer", "zerolab.config", "zerolab.strategies.ddp", "zerolab.strategies.zero",
-           "zerolab.strategies.zero3", "zerolab.strategies.fsdp", "zerolab.strategies.torch_zero"]
+           "zerolab.job", "zerolab.trainer", "zerolab.config", "zerolab.strategies.ddp",
+           "zerolab.strategies.zero.stages", "zerolab.strategies.zero.stage3", "zerolab.strategies.fsdp",
+           "zerolab.strategies.torch_zero"]
 _context = None
 
 

@@ -360,7 +360,7 @@ def test_memory_shows_a_column_per_mode_beside_the_papers():
 
 def test_a_lossy_mode_is_named_for_the_reports_band_and_the_remainder_is_not():
     from zerolab.strategies.ddp import DDPStrategy
-    from zerolab.strategies.zero3 import Zero3Strategy
+    from zerolab.strategies.zero.stage3 import Zero3Strategy
 
     run = lambda accum=1, **p: {"precision": {"name": "bf16", **p}, "trainer": {"grad_accum_steps": accum}}
     assert DDPStrategy.lossy(run(master="remainder")) is None  # exact: the usual match/MISMATCH verdict

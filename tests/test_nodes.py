@@ -159,7 +159,7 @@ def test_block_quantization_error_is_half_a_step(bits, levels):
     """|x̂ − x| <= s/2 with s = max|block|/L (round to nearest), up to fp32's rounding of the
     division and product (a relative 2^-22 of the block's maximum is ample); zeros stay zero;
     the wire is exactly wire_bytes."""
-    from zerolab.strategies.quantize import decode, encode, n_blocks, wire_bytes
+    from zerolab.strategies.zero.quantized import decode, encode, n_blocks, wire_bytes
 
     torch.manual_seed(0)
     block, n = 64, 1000  # the last block is partly padding
@@ -197,11 +197,11 @@ def cfg_of(label: str):
 
 
 def padded_buckets(label: str, shards: int) -> list[int]:
-    """The bucket sizes (elements, padded to multiples of `shards`) the sharder packs: zero.py's
-    per group in registration order, zero3.py's per unit (pack_units)."""
+    """The bucket sizes (elements, padded to multiples of `shards`) the sharder packs: zero1/2's
+    per group in registration order, zero3's per unit (pack_units)."""
     from zerolab.buckets import bucket_cap, zero_buckets
     from zerolab.memory.shapes import shape_from_model_config
-    from zerolab.strategies.zero_memory import pack_units
+    from zerolab.buckets import pack_units
 
     cfg = cfg_of(label)
     shape = shape_from_model_config(cfg.model, cfg.optim.weight_decay)
@@ -226,7 +226,7 @@ def ring(op: str, nbytes: float, g: int) -> float:
 
 def closed_forms(label: str) -> dict[str, float]:
     """Bytes per rank per logged step by link (module docstring, c.)."""
-    from zerolab.strategies.quantize import wire_bytes
+    from zerolab.strategies.zero.quantized import wire_bytes
 
     psi, t = n_tensors()
     n, m, world = PER_NODE, NODES, WORLD
@@ -317,7 +317,7 @@ def test_hsdp_and_hpz_keep_gathers_inside_the_node(job):
 # ---- d. the quantized runs ------------------------------------------------------------------------
 @pytest.mark.slow
 def test_quantized_wire_is_a_quarter_and_an_eighth(job):
-    from zerolab.strategies.quantize import wire_bytes
+    from zerolab.strategies.zero.quantized import wire_bytes
 
     block = cfg_of("zero3").strategy.quant_block
     sizes = padded_buckets("zero3", WORLD)
@@ -376,7 +376,7 @@ def test_quantized_collectives_route_and_round_within_their_bound(tmp_path):
     """The two quantized collectives on real gloo ranks (2 nodes x 2), against the exact result
     in fp64 and against a one-process replay of the same encode/decode/sum steps (this file's
     __main__): qwZ's all-gather hands every rank every chunk within s/2 per element, qgZ's
-    two hops hand rank r the sum of chunk r within its bound (quantize.py), and both equal the
+    two hops hand rank r the sum of chunk r within its bound (zero/quantized.py), and both equal the
     replay bitwise (so every piece went to the rank the layout says)."""
     from conftest import ROOT, TORCHRUN, run_process
 
@@ -399,9 +399,9 @@ def _collective_worker(out_dir: str, block: int = 32, chunk: int = 200) -> None:
     from zerolab import dist as zdist
     from zerolab.comm import CommCounter
     from zerolab.schema import DistConfig
-    from zerolab.strategies.quantize import decode, encode, gather_quantized, reduce_scatter_quantized
+    from zerolab.strategies.zero.quantized import decode, encode, gather_quantized, reduce_scatter_quantized
     from zerolab.strategies.transient import TransientPeak
-    from zerolab.strategies.zero_hierarchy import layout_for
+    from zerolab.strategies.zero.layout import layout_for
 
     ctx = zdist.init(DistConfig(device="cpu", backend="gloo", ranks_per_node=PER_NODE))
     settings = SimpleNamespace(shard_within="world", hpz=False, quantize_weights=True, quantize_grads=True)

@@ -11,7 +11,7 @@ shard_within=node are test_nodes.py's own when both files run.
      additions in another order: a reduce-scatter over the node, an all-reduce across nodes; fp32
      rounding, 6e-8 per operation, barely amplified over 8 clipped steps). LAMB adds per-tensor
      norms of w and of the update from this rank's partial sums, completed over the node's group
-     (ZeroStrategy._all_reduce): another summation order, one more rounding in each trust ratio
+     (ZeroBase._all_reduce): another summation order, one more rounding in each trust ratio
      and so in each step's length, and its lr is 10x AdamW's (1e-2, conf/optim/lamb.yaml).
      Measured 1.1e-7 (zero2, zero3) against AdamW's 6.2e-8 and 5.8e-8: the bound is 9x the
      largest. With the completion left out (each rank's ratio from its own shard's partial norms)
@@ -39,7 +39,7 @@ shard_within=node are test_nodes.py's own when both files run.
      at 2 and 4 ranks: the same data). The target's first step is K + 1 (it did resume). Bound
      1e-6 per tensor, a.'s argument (the steps before and after the checkpoint add in other
      orders: rounding only); measured 5.8e-8, 5.4e-8, 5.3e-8. With Adam's first moment left out
-     of the load (zero_checkpoint.py), the zero2 and zero3 targets measured 8.2e-2.
+     of the load (zero/checkpoint.py), the zero2 and zero3 targets measured 8.2e-2.
   e. A quantized run in the report (zerolab/report/band.py): zero3 with qwZ and qgZ and ddp, 24
      steps each (the band needs 20 logged steps), through `python -m zerolab compare`: the
      quantized run's parity line says "quantized: within band", never "match" nor "MISMATCH",

@@ -1,4 +1,4 @@
-"""zerolab's own ZeRO-3 (zerolab/strategies/zero3.py): the unit layout and the gather/free cycle in
+"""zerolab's own ZeRO-3 (zerolab/strategies/zero/stage3.py): the unit layout and the gather/free cycle in
 one process (fast tier), then against DDP on real gloo processes: parameters, communication,
 memory, and checkpoints that resume at the same world size and reshard to and from other strategies.
 

@@ -5,7 +5,8 @@ code; each line below "uses" one name. Add a name here only with the reason it i
 from hydra_plugins.zerolab_torchrun import torchrun_launcher
 from zerolab.memory import cli as memory_cli
 from zerolab.optim import cli as optim_cli
-from zerolab.strategies import base, deepspeed, fsdp, torch_zero, zero, zero3
+from zerolab.strategies import base, deepspeed, fsdp, torch_zero
+from zerolab.strategies.zero import stage3, stages
 
 _ = None
 _.forward  # nn.Module.__call__ calls forward
@@ -17,7 +18,7 @@ torchrun_launcher.TorchrunLauncher  # conf/launcher and hydra.launcher._target_ 
 optim_cli.lr_main, memory_cli.optim_state_main  # zerolab.__main__.COMMANDS names them as "module:function"
 # zerolab.strategies.REGISTRY names every strategy class as "module:Class"
 deepspeed.DeepSpeedStrategy, fsdp.FSDPStrategy, torch_zero.TorchZeroStrategy
-zero.Zero1Strategy, zero.Zero2Strategy, zero3.Zero3Strategy
+stages.Zero1Strategy, stages.Zero2Strategy, stage3.Zero3Strategy
 base.Strategy.zerolab_sharder  # read by names_where(zerolab_sharder=True) in bench/zero.py
 # tokenizers.Tokenizer properties set in zerolab/data/prepare.py, read by the library
 _.pre_tokenizer, _.decoder, _.post_processor

@@ -10,9 +10,9 @@ import importlib
 # its memory (Strategy.predict_memory).
 REGISTRY: dict[str, str] = {
     "ddp": "zerolab.strategies.ddp:DDPStrategy",
-    "zero1": "zerolab.strategies.zero:Zero1Strategy",
-    "zero2": "zerolab.strategies.zero:Zero2Strategy",
-    "zero3": "zerolab.strategies.zero3:Zero3Strategy",
+    "zero1": "zerolab.strategies.zero.stages:Zero1Strategy",
+    "zero2": "zerolab.strategies.zero.stages:Zero2Strategy",
+    "zero3": "zerolab.strategies.zero.stage3:Zero3Strategy",
     "deepspeed": "zerolab.strategies.deepspeed:DeepSpeedStrategy",
     "fsdp": "zerolab.strategies.fsdp:FSDPStrategy",
     "torch_zero": "zerolab.strategies.torch_zero:TorchZeroStrategy",

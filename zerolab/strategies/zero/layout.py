@@ -1,4 +1,10 @@
-"""Nodes in zerolab's own ZeRO: who shares a shard, and over which group each collective runs.
+"""The layout of zerolab's own ZeRO: the buckets, who shares a shard, and over which group each
+collective runs.
+
+A bucket (Bucket below) is a run of parameters packed into one flat buffer (zerolab/buckets.py
+packs them); it is padded to a multiple of `shards` and cut into that many equal chunks, and a
+rank owns one chunk of every bucket. Its shard of a param group is its chunks of that group's
+buckets (shard.py).
 
 Ranks are laid out node-major (zerolab.topology): N = per_node x nodes. Three layouts:
 
@@ -23,6 +29,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Optional
 
+import torch
 import torch.distributed as dist
 
 from zerolab.errors import ConfigError, ZerolabError, launch_rank
@@ -32,6 +39,24 @@ log = logging.getLogger("zerolab")
 
 SHARD_WITHIN = ("world", "node")
 ZERO_PLUS_PLUS = ("hpz", "quantize_weights", "quantize_grads")  # zero3's settings, world-wide shards only
+
+
+@dataclass
+class Bucket:
+    group: int  # param group index
+    params: list  # [(param, tensor index in group, offset in bucket)]
+    size: int  # padded to a multiple of the shards
+    shard_pos: int  # where this bucket's chunk sits in its piece of the rank's group shard
+    shards: int  # the bucket is `shards` chunks of `chunk` elements (N, or a node's ranks: NodeLayout)
+    piece: int = 0  # which flat piece of the group's shard holds its chunk (zero1/2: one per bucket; zero3: one)
+    flat_params: Optional[torch.Tensor] = None  # compute-dtype buffer the params view into
+    flat_grads: Optional[torch.Tensor] = None  # zero1: gradient buffer the grads view into
+    comm_buf: Optional[torch.Tensor] = None  # zero2: in-flight gradient copy
+    arrived: int = 0  # gradients complete in this backward
+
+    @property
+    def chunk(self) -> int:
+        return self.size // self.shards
 
 
 @dataclass

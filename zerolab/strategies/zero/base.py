@@ -1,4 +1,6 @@
-"""zerolab's own ZeRO-1 and ZeRO-2 (Rajbhandari et al. 2019, arXiv 1910.02054).
+"""What zerolab's own ZeRO-1, ZeRO-2 and ZeRO-3 share (Rajbhandari et al. 2019, arXiv 1910.02054):
+ZeroBase, the sharder over buckets, chunks and shards; a class per stage supplies what differs
+(stages.py: zero1, zero2; stage3.py: zero3).
 
 Layout. Parameters are packed, in the order their gradients become ready in backward (reverse
 registration order), into buckets of about `strategy.bucket_mb`; a bucket never mixes param
@@ -21,7 +23,8 @@ reduce-scattered the moment its gradients are complete, while backward is still 
 slice per rank, the first reduce-scatter would need gradients from all over the model and nothing
 could overlap.
 
-Step, per stage:
+Step, per stage (the hooks each stage class supplies: _into_bucket, _send_buffer, _collect,
+_clear_whole_grads, _piece_grad, no_sync):
   zero1  gradients accumulate in the model (views into per-bucket buffers, so a bucket is
          reduce-scattered in place); on the last micro-batch each bucket is reduce-scattered as
          soon as it is complete. Full-size gradients stay allocated.
@@ -37,19 +40,17 @@ Collectives are launched in one fixed bucket order on every rank (a bucket waits
 before it), and buckets whose parameters got no gradient are flushed with zeros at the end of
 backward, so unused parameters can neither hang nor misalign the reductions.
 
-Across nodes (strategy.shard_within=node, zero_hierarchy.py): "N chunks" above become the n ranks
+Across nodes (strategy.shard_within=node, layout.py): "N chunks" above become the n ranks
 of a node, whose group runs the reduce-scatters and all-gathers; each node holds a replica of the
 shards, and the gradient shard is averaged across the replicas by one all-reduce per step.
 
 Below the paper's floor (precision.master=remainder|bf16, zerolab/precision_modes.py) the master
-shard is held in this rank's chunk of the bf16 weights (plus int16 remainders): zero_shard.py.
+shard is held in this rank's chunk of the bf16 weights (plus int16 remainders): shard.py.
 """
 from __future__ import annotations
 
+import abc
 from collections import deque
-from contextlib import contextmanager
-from dataclasses import dataclass, replace
-from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -63,34 +64,19 @@ from zerolab.numerics import StepInfo
 from zerolab.schema import ZeroSettings
 from zerolab.strategies.base import PRECISION_MODE_SETTINGS, ZEROLAB_STEP_SETTINGS, OptimizerFactory, Strategy, \
     Traits, precision_lossy, set_lr
-from zerolab.strategies.zero_checkpoint import ZeroPieces
-from zerolab.strategies.zero_shard import FlatGroup, ShardGrads, rounded
-from zerolab.strategies.zero_hierarchy import check_node_settings, layout_for, shards_for
-from zerolab.strategies.zero_memory import predict_zero12
+from zerolab.strategies.zero.checkpoint import ZeroPieces
+from zerolab.strategies.zero.layout import Bucket, check_node_settings, layout_for, shards_for
+from zerolab.strategies.zero.memory import predict_zero12
+from zerolab.strategies.zero.shard import FlatGroup, ShardGrads, rounded
 
 
-@dataclass
-class Bucket:
-    group: int  # param group index
-    params: list  # [(param, tensor index in group, offset in bucket)]
-    size: int  # padded to a multiple of the shards
-    shard_pos: int  # where this bucket's chunk sits in its piece of the rank's group shard
-    shards: int  # the bucket is `shards` chunks of `chunk` elements (N, or a node's ranks: zero_hierarchy.py)
-    piece: int = 0  # which flat piece of the group's shard holds its chunk (zero1/2: one per bucket; zero3: one)
-    flat_params: Optional[torch.Tensor] = None  # compute-dtype buffer the params view into
-    flat_grads: Optional[torch.Tensor] = None  # zero1: gradient buffer the grads view into
-    comm_buf: Optional[torch.Tensor] = None  # zero2: in-flight gradient copy
-    arrived: int = 0  # gradients complete in this backward
-
-    @property
-    def chunk(self) -> int:
-        return self.size // self.shards
-
-
-class ZeroStrategy(ZeroPieces, ShardGrads, Strategy):
+class ZeroBase(ZeroPieces, ShardGrads, Strategy):
+    """The sharder the three stages share; registered only through a stage class."""
     traits = Traits(settings=ZeroSettings, stage=1, sharded_grads=True, zerolab_sharder=True,
                     also_reads=ZEROLAB_STEP_SETTINGS | PRECISION_MODE_SETTINGS | {"precision.grad_shard"})
     checkpoint_format = "pieces"
+    shards_params = False  # zero3: only the owned chunks of the weights persist between uses
+    keeps_whole_grads = False  # zero1: the whole gradients persist between steps (the memory model reads it)
 
     # ---- setup ------------------------------------------------------------------------------
     def setup(self, model: nn.Module, param_groups: list[dict], make_optimizer: OptimizerFactory) -> nn.Module:
@@ -131,7 +117,7 @@ class ZeroStrategy(ZeroPieces, ShardGrads, Strategy):
         self.model, self.world, self.rank = model, self.ctx.world_size, self.ctx.rank
         for p in model.parameters():  # every rank starts from rank 0's weights
             dist.broadcast(p.data, src=0)
-        # who shares a shard and which groups the collectives use (zero_hierarchy.py): by default
+        # who shares a shard and which groups the collectives use (layout.py): by default
         # every rank (group None), self.shards = N and this rank owns chunk self.rank of every bucket
         self.layout = layout_for(self.ctx, self.settings)
         self.shards, self.shard_rank, self.shard_group = self.layout.shards, self.layout.shard_rank, \
@@ -141,7 +127,7 @@ class ZeroStrategy(ZeroPieces, ShardGrads, Strategy):
         # is to update the 16-bit weights themselves (the owned chunk, then all-gathered). Where
         # that is the weights' own dtype, the shard is a view of the weights (module docstring).
         self.shard_dtype = self.precision.update_dtype
-        self.shard_is_weights = self.shard_dtype == self.precision.compute_dtype and self.traits.stage < 3
+        self.shard_is_weights = self.shard_dtype == self.precision.compute_dtype and not self.shards_params
         # precision.master (module docstring): where the master shard lives under bf16
         self.master_mode = self.precision.master if self.precision.master_weights else "fp32"
 
@@ -174,10 +160,6 @@ class ZeroStrategy(ZeroPieces, ShardGrads, Strategy):
         for p, _, off in b.params:
             b.flat_params[off:off + p.numel()].copy_(p.data.view(-1))
             p.data = b.flat_params[off:off + p.numel()].view_as(p)
-        if self.traits.stage == 1:
-            b.flat_grads = torch.zeros_like(b.flat_params)
-            for p, _, off in b.params:
-                p.grad = b.flat_grads[off:off + p.numel()].view_as(p)
 
     def _make_flat_groups(self, param_groups: list[dict]) -> list[FlatGroup]:
         """The shard's pieces (with their gradients) and segments, from the buckets' weights."""
@@ -191,7 +173,7 @@ class ZeroStrategy(ZeroPieces, ShardGrads, Strategy):
                 fg.pieces[b.piece] = nn.Parameter(b.flat_params[lo:hi])
             elif self.master_mode != "fp32":  # zero3 frees its buckets: its masters need a buffer of their own
                 fg.hold_master(b.piece, self.piece_sizes[b.group][b.piece], b.flat_params[lo:hi], b.shard_pos,
-                               self.master_mode, own_buffer=self.traits.stage >= 3)
+                               self.master_mode, own_buffer=self.shards_params)
             else:
                 if fg.pieces[b.piece] is None:
                     size = self.piece_sizes[b.group][b.piece]
@@ -203,12 +185,13 @@ class ZeroStrategy(ZeroPieces, ShardGrads, Strategy):
                     fg.segments.append(Segment(tensor=ti, start=b.shard_pos + start - lo, end=b.shard_pos + end - lo,
                                                offset=start - off, piece=b.piece))
         for b in self.buckets:
-            piece = groups[b.group].pieces[b.piece]
-            if self.traits.stage == 1 and self.shard_is_weights:  # zero1's whole gradient holds the reduced chunk
-                piece.grad = b.flat_grads[self.shard_rank * b.chunk:(self.shard_rank + 1) * b.chunk]
-            elif piece.grad is None:  # (not zeros_like: a face's strides are all 0)
-                piece.grad = torch.zeros(piece.shape, dtype=piece.dtype, device=piece.device)
+            self._piece_grad(b, groups[b.group].pieces[b.piece])
         return groups
+
+    def _piece_grad(self, b: Bucket, piece: torch.Tensor) -> None:
+        """The gradient of the shard's piece that holds bucket b's chunk: a buffer of its own."""
+        if piece.grad is None:  # (not zeros_like: a face's strides are all 0)
+            piece.grad = torch.zeros(piece.shape, dtype=piece.dtype, device=piece.device)
 
     def _shard_chunk(self, b: Bucket) -> torch.Tensor:
         """This rank's chunk of bucket b in the shard the optimizer updates."""
@@ -228,32 +211,29 @@ class ZeroStrategy(ZeroPieces, ShardGrads, Strategy):
              "allreduce": self._all_reduce, **self.precision.storage(), **fg.storage()}
             for g, fg in zip(param_groups, self.groups)])
 
+    # ---- what a stage supplies (stages.py, stage3.py) ------------------------------------------
+    @abc.abstractmethod
+    def _into_bucket(self, b: Bucket, p: torch.Tensor) -> None:
+        """p's gradient is complete: put it where bucket b's reduce-scatter reads it."""
+
+    @abc.abstractmethod
+    def _send_buffer(self, b: Bucket) -> torch.Tensor:
+        """Bucket b's averaged gradients in the reduce dtype: the reduce-scatter's input."""
+
+    @abc.abstractmethod
+    def _collect(self, b: Bucket, out: torch.Tensor) -> None:
+        """Bucket b's reduced chunk `out` into the gradient shard (a copy, or a sum over micro-batches)."""
+
+    @abc.abstractmethod
+    def _clear_whole_grads(self) -> None:
+        """After a step: zero the whole gradients where the stage keeps them."""
+
     # ---- backward: hooks, in-order launches ---------------------------------------------------
-    def no_sync(self):
-        if self.traits.stage >= 2:  # zero2 reduces every micro-batch: its gradients are never whole
-            return super().no_sync()
-        return self._no_sync()
-
-    @contextmanager
-    def _no_sync(self):
-        self.sync = False
-        try:
-            yield
-        finally:
-            self.sync = True
-
     def _grad_ready(self, p: torch.Tensor) -> None:
         if not self.sync:
             return
         b = self.bucket_of[id(p)]
-        if self.traits.stage >= 2:
-            if b.comm_buf is None:
-                b.comm_buf = torch.zeros(b.size, dtype=self.reduce_dtype, device=p.device)
-                self.transient.alloc(b.comm_buf.untyped_storage().nbytes(), "backward")
-            off = self.offset_of[id(p)]
-            # copy and average in one pass (DDP also divides before summing)
-            torch.div(p.grad.view(-1), self.world, out=b.comm_buf[off:off + p.numel()])
-            p.grad = None  # the full-size gradient is freed right away
+        self._into_bucket(b, p)
         b.arrived += 1
         self._launch_ready()
 
@@ -270,16 +250,7 @@ class ZeroStrategy(ZeroPieces, ShardGrads, Strategy):
         self._drain(block=len(self.pending) > MAX_IN_FLIGHT)
 
     def _reduce_scatter(self, b: Bucket) -> None:
-        if self.traits.stage == 1:
-            buf = b.flat_grads if self.reduce_dtype == b.flat_grads.dtype else b.flat_grads.to(self.reduce_dtype)
-            buf.div_(self.world)  # average before summing, as DDP does: same rounding in 16 bits
-            if buf is not b.flat_grads:  # a reduce_dtype copy (peak accounting)
-                self.transient.alloc(buf.untyped_storage().nbytes(), "backward")
-        else:
-            if b.comm_buf is None:  # no parameter of this bucket got a gradient
-                b.comm_buf = torch.zeros(b.size, dtype=self.reduce_dtype, device=self.ctx.device)
-                self.transient.alloc(b.comm_buf.untyped_storage().nbytes(), "backward")
-            buf = b.comm_buf  # already averaged by _grad_ready
+        buf = self._send_buffer(b)
         out = torch.empty(b.chunk, dtype=buf.dtype, device=buf.device)
         self.transient.alloc(out.untyped_storage().nbytes(), "backward")
         self.comm.record("reduce_scatter", buf, group=self.shard_group)
@@ -294,10 +265,7 @@ class ZeroStrategy(ZeroPieces, ShardGrads, Strategy):
         while self.pending and (block or self.pending[0][0].is_completed()):
             work, out, b, buf = self.pending.popleft()
             work.wait()
-            if self.traits.stage == 1:  # once per step, into a zeroed shard or over this rank's own gradient
-                self._grad_chunk(b).copy_(out)
-            else:  # zero2 and zero3 sum every micro-batch's reduction
-                self._grad_chunk(b).add_(out)
+            self._collect(b, out)
             self.transient.free(out.untyped_storage().nbytes()
                                  + (buf.untyped_storage().nbytes() if buf is not b.flat_grads else 0))
             b.comm_buf = None  # zero2: the bucket's memory goes back to the allocator
@@ -322,9 +290,7 @@ class ZeroStrategy(ZeroPieces, ShardGrads, Strategy):
             self._all_gather_params(wait=False)  # completes behind the next forward
         for grad in self._all_grad_shards():
             grad.zero_()
-        if self.traits.stage == 1:
-            for b in self.buckets:
-                b.flat_grads.zero_()
+        self._clear_whole_grads()
         return info
 
     @torch.no_grad()
@@ -364,7 +330,7 @@ class ZeroStrategy(ZeroPieces, ShardGrads, Strategy):
                     finish()
                 self.transient.free(self._gather_input_bytes.pop(i, 0))
 
-    # ---- across nodes (zero_hierarchy.py) -------------------------------------------------------
+    # ---- across nodes (layout.py) --------------------------------------------------------------
     def _average_replicas(self, grads: list[torch.Tensor]) -> None:
         """strategy.shard_within=node: each node reduced its own ranks' gradients into its shards;
         one all-reduce per gradient shard over the ranks holding it (one per node) completes the
@@ -410,9 +376,9 @@ class ZeroStrategy(ZeroPieces, ShardGrads, Strategy):
     @classmethod
     def predict_memory(cls, p, shape, *, world, precision, k, bucket_mb, reduce_dtype, ranks_per_node, settings,
                        mode, **_) -> None:
-        """zero_memory.predict_zero12: the owned chunks' shard, gradient and optimizer state, the
+        """memory.predict_zero12: the owned chunks' shard, gradient and optimizer state, the
         whole weights (and zero1's whole gradients), measured at the end of a step as memory() sees it."""
-        predict_zero12(p, shape, stage=cls.traits.stage, shards=shards_for(world, ranks_per_node, settings),
+        predict_zero12(p, shape, whole_grads=cls.keeps_whole_grads, shards=shards_for(world, ranks_per_node, settings),
                        precision=precision, k=k, bucket_mb=bucket_mb, reduce_dtype=reduce_dtype,
                        hsdp=settings.get("shard_within") == "node" and ranks_per_node < world, mode=mode)
 
@@ -423,14 +389,5 @@ class ZeroStrategy(ZeroPieces, ShardGrads, Strategy):
     @classmethod
     def check_config(cls, cfg, world_size: int) -> None:
         super().check_config(cfg, world_size)
-        check_node_settings(cfg, world_size, cls.traits.stage)  # shard_within, ZeRO++ (zero_hierarchy.py)
+        check_node_settings(cfg, world_size, cls.traits.stage)  # shard_within, ZeRO++ (layout.py)
 
-
-class Zero1Strategy(ZeroStrategy):
-    name = "zero1"
-    traits = replace(ZeroStrategy.traits, stage=1, memory_reference=("deepspeed", 1))  # memory: beside DeepSpeed's
-
-
-class Zero2Strategy(ZeroStrategy):
-    name = "zero2"
-    traits = replace(ZeroStrategy.traits, stage=2, memory_reference=("deepspeed", 2))

@@ -1,4 +1,5 @@
-"""ZeRO++'s quantized collectives (Wang et al. 2023, sections 4.1 and 4.3) for zerolab's zero3.
+"""ZeRO++'s quantized collectives (Wang et al. 2023, sections 4.1 and 4.3) for zerolab's zero3
+(stage3.py): the collective choices of ZeRO++, beside the layout choices of layout.py.
 
 Block quantization. A tensor is cut into blocks of B = strategy.quant_block elements (the last
 one zero-padded); each block gets one fp32 scale s = max|x| / L, and each element the integer
@@ -96,8 +97,9 @@ def error_bound_sq(scale: torch.Tensor, n: int, block: int) -> torch.Tensor:
     return ((scale.double() / 2) ** 2 * count).sum(dim=1)
 
 
-class Done:
-    """A collective already finished (qgZ runs its two hops in place): what zero.py's queue waits on."""
+class FinishedWork:
+    """The handle of a collective that has already finished (qgZ runs its two hops blocking, in
+    place), queued where the sharder's reduce-scatters queue their asynchronous work (base.py)."""
 
     def wait(self) -> None:
         pass

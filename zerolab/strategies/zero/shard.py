@@ -1,4 +1,4 @@
-"""This rank's shard of a param group under zerolab's ZeRO (zero.py, zero3.py): the flat pieces
+"""This rank's shard of a param group under zerolab's ZeRO (base.py, stage3.py): the flat pieces
 the optimizer updates and where the group's tensors lie in them.
 
 Below the paper's floor (precision.master, zerolab/precision_modes.py): under bf16 the master
@@ -27,7 +27,7 @@ from zerolab.precision import face
 @dataclass
 class FlatGroup:
     """This rank's shard of one param group: the flat pieces the optimizer updates (fp32 master
-    weights, or the weights themselves where they are in that dtype: zero.py), each
+    weights, or the weights themselves where they are in that dtype: base.py), each
     piece's .grad its gradient, and where the group's tensors lie in them."""
     pieces: list = field(default_factory=list)  # nn.Parameter, one per bucket (zero1/2) or per group (zero3)
     segments: list[Segment] = field(default_factory=list)
@@ -87,7 +87,7 @@ class FlatGroup:
 
 
 class ShardGrads:
-    """The gradient shard of zerolab's ZeRO, mixed into ZeroStrategy (zero.py), whose layout it
+    """The gradient shard of zerolab's ZeRO, mixed into ZeroBase (base.py), whose layout it
     reads (`groups`, `buckets`, `shard_rank`, the precision): where the reduce-scatters deliver,
     and the fp32 view the optimizer reads."""
 
@@ -101,13 +101,16 @@ class ShardGrads:
             return [[piece.grad for piece in g.pieces] for g in self.groups]
         out = [[None] * len(g.pieces) for g in self.groups]
         for b in self.buckets:  # (one bucket per piece)
-            lo, hi = self.shard_rank * b.chunk, (self.shard_rank + 1) * b.chunk
-            out[b.group][b.piece] = b.flat_grads[lo:hi] if self.traits.stage == 1 else \
-                torch.zeros(b.chunk, dtype=self.precision.compute_dtype, device=self.ctx.device)
+            out[b.group][b.piece] = self._bf16_grad_chunk(b)
         for g in self.groups:
             for piece in g.pieces:
                 piece.grad = None
         return out
+
+    def _bf16_grad_chunk(self, b) -> torch.Tensor:
+        """Where bucket b's bf16 reduced chunk goes with precision.grad_shard=bf16: a buffer of its
+        own (zero1's is its chunk of the whole gradients: stages.py)."""
+        return torch.zeros(b.chunk, dtype=self.precision.compute_dtype, device=self.ctx.device)
 
     def _shard_grads(self) -> list[torch.Tensor]:
         """The fp32 gradients the optimizer reads (inside _fp32_grads where the shard is 16-bit)."""

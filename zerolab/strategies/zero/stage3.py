@@ -1,6 +1,6 @@
 """zerolab's own ZeRO-3: ZeRO-2 plus sharded parameters (Rajbhandari et al. 2019, P_os+g+p).
 
-Read zero.py first: the buckets, the per-bucket chunks, the fp32 shard the optimizer updates and
+Read base.py and stages.py first: the buckets, the per-bucket chunks, the fp32 shard the optimizer updates and
 the bucketed reduce-scatter of gradients are zero2's, reused from there. What stage 3 adds is
 that a rank no longer keeps the whole model between uses.
 
@@ -61,14 +61,14 @@ when the trainer measures memory, no unit is gathered: params = the persistent c
 Collectives are issued from hooks at the same points of the same graph on every rank, and every
 prefetch decision depends only on that history, so all ranks issue them in one order.
 
-Across nodes (zero_hierarchy.py, docs/nodes.md). strategy.shard_within=node is HSDP: the chunks
+Across nodes (layout.py, docs/nodes.md). strategy.shard_within=node is HSDP: the chunks
 are cut over a node's ranks, the gathers and reduce-scatters run over the node, the gradient
-shard is all-reduced across nodes once per step (zero.py). ZeRO++ (Wang et al. 2023) keeps the
+shard is all-reduced across nodes once per step (base.py). ZeRO++ (Wang et al. 2023) keeps the
 world-wide chunks: strategy.hpz=true copies, after each forward all-gather, this rank's 1/n of
 every gathered bucket (n ranks per node) into a secondary copy, and the backward all-gathers that
 copy over the node instead of the primary chunks over every rank: the same values (bitwise
 zero3), no cross-node byte. quantize_weights / quantize_grads send the primary all-gathers as
-int8 blocks and the reduce-scatter as int4 blocks through a two-hop all-to-all (quantize.py).
+int8 blocks and the reduce-scatter as int4 blocks through a two-hop all-to-all (quantized.py).
 """
 from __future__ import annotations
 
@@ -81,17 +81,18 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from zerolab.buckets import bucket_cap
+from zerolab.buckets import MAX_LIVE_BUCKETS, bucket_cap, pack_units
 from zerolab.accounting import StorageCounter
 from zerolab.models import block_of_parameters, find_blocks
 from zerolab.models.recompute import tensors_in
 from zerolab.schema import Zero3Settings
 from zerolab.strategies.base import PRECISION_MODE_SETTINGS, ZEROLAB_STEP_SETTINGS, OptimizerFactory, set_lr
-from zerolab.strategies.quantize import Done, gather_quantized, reduce_scatter_quantized
-from zerolab.strategies.zero import Bucket, ZeroStrategy
-from zerolab.strategies.zero_shard import rounded
-from zerolab.strategies.zero_hierarchy import shards_for
-from zerolab.strategies.zero_memory import MAX_LIVE_BUCKETS, pack_units, predict_zero3
+from zerolab.strategies.zero.base import ZeroBase
+from zerolab.strategies.zero.layout import Bucket, shards_for
+from zerolab.strategies.zero.memory import predict_zero3
+from zerolab.strategies.zero.quantized import FinishedWork, gather_quantized, reduce_scatter_quantized
+from zerolab.strategies.zero.shard import rounded
+from zerolab.strategies.zero.stages import Zero2Strategy
 
 @dataclass
 class Zero3Bucket(Bucket):
@@ -107,20 +108,21 @@ class Unit:
     arrived: int = 0  # parameters whose gradient is complete in this backward
 
 
-class Zero3Strategy(ZeroStrategy):
+class Zero3Strategy(Zero2Strategy):
     name = "zero3"
-    # stage 3 takes zero.py's gradient path of stage >= 2 (bucket copies, a reduce-scatter per
-    # micro-batch); a model without repeated blocks is refused before any rank trains (needs_blocks)
-    traits = replace(ZeroStrategy.traits, settings=Zero3Settings, stage=3, needs_blocks=True,
+    # stage 3 takes zero2's gradient path (bucket copies, a reduce-scatter per micro-batch: stages.py);
+    # a model without repeated blocks is refused before any rank trains (needs_blocks)
+    traits = replace(ZeroBase.traits, settings=Zero3Settings, stage=3, needs_blocks=True,
                      memory_reference=("deepspeed", 3),
                      # its gradient shard is in the reduce dtype already (16-bit under bf16): no precision.grad_shard
                      also_reads=ZEROLAB_STEP_SETTINGS | PRECISION_MODE_SETTINGS)
-    # checkpoint_format "pieces" (zero.py): the fp32 master shard and optimizer state by parameter
+    shards_params = True  # only the owned chunks of the weights persist (base.py reads it)
+    # checkpoint_format "pieces" (base.py): the fp32 master shard and optimizer state by parameter
     # name and element range, exactly zero2's, so zero3 reshards to and from ddp/zero1/zero2.
 
     # ---- setup ------------------------------------------------------------------------------
     def setup(self, model: nn.Module, param_groups: list[dict], make_optimizer: OptimizerFactory) -> nn.Module:
-        self._place(model)  # zero.py: device, dtype, rank 0's weights, reduce and shard dtypes
+        self._place(model)  # base.py: device, dtype, rank 0's weights, reduce and shard dtypes
         self.reshard_after_forward = self.settings.reshard_after_forward
         self.units = self._make_units(model, param_groups)
         self.unit_of = {id(p): u for u in self.units for p in u.params}
@@ -132,7 +134,7 @@ class Zero3Strategy(ZeroStrategy):
         # The persistent weights: this rank's chunks in compute dtype, one flat tensor per group
         # laid out like the master shard. When the shard already is in compute dtype (fp32,
         # bf16_pure) it is the weights, and nothing is stored twice; under precision.master=remainder
-        # or bf16 the persistent chunks hold the master (zero.py): the optimizer writes them.
+        # or bf16 the persistent chunks hold the master (shard.py): the optimizer writes them.
         if self.master_mode != "fp32":
             self.local = [g.weights[0] for g in self.groups]
         else:
@@ -140,11 +142,11 @@ class Zero3Strategy(ZeroStrategy):
                           else rounded(g.master.data, self.precision.compute_dtype, self.precision.weight_rounding)
                           for g in self.groups]
         self.optimizer = self._make_optimizer(param_groups, make_optimizer)
-        self.pending: deque = deque()  # reduce-scatters in flight (zero.py)
+        self.pending: deque = deque()  # reduce-scatters in flight (base.py)
         self.next_launch = 0
         self.sync = True  # zero2's path: never False, every micro-batch reduces
         self.gathers: dict[int, tuple] = {}  # all-gathers in flight: bucket index -> (work, input chunk)
-        self._gather_input_bytes: dict[int, int] = {}  # zero.py's; stays empty: the inputs are the persistent chunks
+        self._gather_input_bytes: dict[int, int] = {}  # base.py's; stays empty: the inputs are the persistent chunks
         self.live: set[int] = set()  # buckets whose full buffer exists (gathered or in flight)
         self.in_backward = False  # between the first unit's backward gather and the end of backward
         self.secondary = self._make_secondary()  # hpZ (module docstring); [] without it
@@ -177,7 +179,7 @@ class Zero3Strategy(ZeroStrategy):
         return units
 
     def _make_buckets(self, model: nn.Module, param_groups: list[dict]) -> list[Bucket]:
-        """zero.py's packing, run unit by unit so that no bucket spans two units (pack_units). The
+        """zero1/2's packing, run unit by unit so that no bucket spans two units (pack_units). The
         list is in the order backward completes the units (last block first, the root last,
         because the tied embedding's gradient is the last of all): the reduce-scatter launch order."""
         where = {id(p): (gi, ti) for gi, g in enumerate(param_groups) for ti, p in enumerate(g["params"])}
@@ -196,7 +198,7 @@ class Zero3Strategy(ZeroStrategy):
             self._flatten_params(b)
             self.units[ui].buckets.append(len(buckets))
             buckets.append(b)
-        self.piece_sizes = [[n] for n in shard_pos]  # one flat piece per group (zero.py's FlatGroup.master)
+        self.piece_sizes = [[n] for n in shard_pos]  # one flat piece per group (shard.py's FlatGroup.master)
         return buckets
 
     # ---- gathering and freeing units ------------------------------------------------------------
@@ -312,29 +314,27 @@ class Zero3Strategy(ZeroStrategy):
             self._free(unit)
 
     def backward(self, loss: torch.Tensor) -> None:
-        super().backward(loss)  # zero.py: backward, flush the buckets, collect the reductions
+        super().backward(loss)  # base.py: backward, flush the buckets, collect the reductions
         self.in_backward = False
         for unit in self.units:  # units with unused parameters never completed: free them here
             self._free(unit)
             unit.arrived = 0
 
     def _reduce_scatter(self, b: Bucket) -> None:
-        """qgZ replaces zero.py's reduce-scatter by quantize.py's two all-to-all hops, done in place
-        (queued as finished, so zero.py's drain adds the chunk to the gradient shard in order)."""
+        """qgZ replaces base.py's reduce-scatter by quantized.py's two all-to-all hops, done in place
+        (queued as finished, so base.py's drain adds the chunk to the gradient shard in order)."""
         if not self.settings.quantize_grads:
             return super()._reduce_scatter(b)
-        if b.comm_buf is None:  # no parameter of this bucket got a gradient
-            b.comm_buf = torch.zeros(b.size, dtype=self.reduce_dtype, device=self.ctx.device)
-            self.transient.alloc(b.comm_buf.untyped_storage().nbytes(), "backward")
-        out = torch.empty(b.chunk, dtype=b.comm_buf.dtype, device=b.comm_buf.device)
+        buf = self._send_buffer(b)  # zero2's averaged bucket (stages.py)
+        out = torch.empty(b.chunk, dtype=buf.dtype, device=buf.device)
         self.transient.alloc(out.untyped_storage().nbytes(), "backward")
-        reduce_scatter_quantized(out, b.comm_buf, self.layout, self.settings.quant_block, self.comm, self.transient)
-        self.pending.append((Done(), out, b, b.comm_buf))
+        reduce_scatter_quantized(out, buf, self.layout, self.settings.quant_block, self.comm, self.transient)
+        self.pending.append((FinishedWork(), out, b, buf))
 
     def _make_grad_shards(self) -> list[list[torch.Tensor]]:
         """The gradient shard in the reduce dtype (module docstring). When that is the dtype the
         optimizer updates, the shard is master.grad, as in zero2; otherwise master.grad exists
-        only during the step, as an fp32 copy (zero.py's _fp32_grads)."""
+        only during the step, as an fp32 copy (shard.py's _fp32_grads)."""
         if self.reduce_dtype == self.shard_dtype:
             return [[g.master.grad] for g in self.groups]
         for g in self.groups:
@@ -345,7 +345,7 @@ class Zero3Strategy(ZeroStrategy):
     def step(self, lr: float, stats_level: int = 0):
         set_lr(self.optimizer, lr)
         self._drain()
-        self._average_replicas(self._all_grad_shards())  # HSDP: across nodes (zero.py)
+        self._average_replicas(self._all_grad_shards())  # HSDP: across nodes (base.py)
         with self._fp32_grads():
             info = self._update([g.master.grad for g in self.groups], stats_level)
         if not info.known_skipped:
@@ -390,7 +390,7 @@ class Zero3Strategy(ZeroStrategy):
     @classmethod
     def predict_memory(cls, p, shape, *, world, precision, k, bucket_mb, reduce_dtype, ranks_per_node, settings,
                        mode, **_) -> None:
-        """zero_memory.predict_zero3: the persistent chunks and shards packed unit by unit, hpZ's
+        """memory.predict_zero3: the persistent chunks and shards packed unit by unit, hpZ's
         secondary copy, the quantized collectives' buffers."""
         predict_zero3(p, shape, shards=shards_for(world, ranks_per_node, settings), per_node=ranks_per_node,
                       precision=precision, k=k, bucket_mb=bucket_mb, reduce_dtype=reduce_dtype, settings=settings,
@@ -408,13 +408,13 @@ class Zero3Strategy(ZeroStrategy):
     def lossy(cls, cfg: dict):
         """qwZ and qgZ round what they send: the report holds the run within its loss band. qwZ's
         forward computes with int8-rounded weights (L = 127); qgZ rounds only the gradients. A bf16
-        master or state (zero.py) is lossy too, and named beside them."""
+        master or state (base.py) is lossy too, and named beside them."""
         from zerolab.strategies.base import Lossy
-        from zerolab.strategies.quantize import LEVELS
+        from zerolab.strategies.zero.quantized import LEVELS
 
         cause = cls.known_cause(cfg)
         weights = cfg.get("strategy", {}).get("quantize_weights")
-        stored = super().lossy(cfg)  # a bf16 master or state (zero.py)
+        stored = super().lossy(cfg)  # a bf16 master or state (base.py)
         if not cause:
             return stored
         what = cause + (f"; {stored.what}" if stored else "")

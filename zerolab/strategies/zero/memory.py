@@ -1,47 +1,30 @@
-"""The memory ledger of zerolab's own ZeRO (zero1/2 in zero.py, zero3 in zero3.py): what memory()
-measures between steps, term by term, predicted from the same packing the sharder runs.
+"""The memory model of zerolab's own ZeRO (zero1/2 in stages.py, zero3 in stage3.py): what memory()
+measures between steps, term by term, predicted from the same packing the sharder runs
+(zerolab/buckets.py, below both: the sharder imports nothing from here but the two predict_
+functions its classes' predict_memory calls).
 
 `shards` is the number of chunks a bucket is cut into: N, or the ranks of a node under
-strategy.shard_within=node (zero_hierarchy.py); the buckets are padded to multiples of it and a
+strategy.shard_within=node (layout.py); the buckets are padded to multiples of it and a
 rank's shard is 1/shards of them. zero3 adds hpZ's secondary copy (1/per_node of the padded
 buckets, in compute dtype: 2Ψ/n bytes in bf16, counted as params) and the wire buffers of the
-quantized collectives (transients, zerolab/strategies/quantize.py).
+quantized collectives (transients, quantized.py).
 """
 from __future__ import annotations
 
 import math
 
 from zerolab.accounting import MIXED, dtype_name, fmt_n, state_bytes
-from zerolab.buckets import MAX_IN_FLIGHT, bucket_cap, pack_buckets, zero_buckets
+from zerolab.buckets import MAX_IN_FLIGHT, MAX_LIVE_BUCKETS, bucket_cap, pack_units, zero_buckets
 from zerolab.precision import COMPUTE_BYTES
 from zerolab.precision_modes import Mode, master_term, working_bytes_per_element
-from zerolab.strategies.quantize import wire_bytes
+from zerolab.strategies.zero.quantized import wire_bytes
 
-MAX_LIVE_BUCKETS = 12  # zero3: gathered or in-flight buckets above which no unit is prefetched
-
-
-def pack_units(tensors: list[tuple[int, int, int]], cap: int, world: int) -> list[tuple[int, int, list[int], int]]:
-    """Buckets of zero3: `tensors` lists (param group, numel, unit) in unit order (root = unit 0,
-    then the blocks), registration order within a unit. Each unit is packed alone by zero.py's
-    rule (pack_buckets), last block first and the root last, and each bucket is padded to a
-    multiple of `world` (the shards). Returns (unit, group, tensor indices, padded size) per bucket,
-    in launch order. The sharder builds its buckets from this and the ledger predicts them from it."""
-    n_units = 1 + max((u for _, _, u in tensors), default=0)
-    out = []
-    for ui in [*range(n_units - 1, 0, -1), 0]:
-        index = [i for i, (_, _, u) in enumerate(tensors) if u == ui]
-        for gi, members in pack_buckets([(tensors[i][0], tensors[i][1]) for i in index], cap):
-            total = sum(tensors[index[m]][1] for m in members)
-            out.append((ui, gi, [index[m] for m in members], -(-total // world) * world))
-    return out
-
-
-def _fp32_floor_notes(p, stage: int, view: bool, dt: str, sd: str, s: int, c: int, pad: int) -> None:
-    paper = "4Ψ + KΨ/N" if stage == 1 else "2Ψ + (2 + K)Ψ/N"
+def _fp32_floor_notes(p, whole_grads: bool, view: bool, dt: str, sd: str, s: int, c: int, pad: int) -> None:
+    paper = "4Ψ + KΨ/N" if whole_grads else "2Ψ + (2 + K)Ψ/N"
     why = []
     if not view:
         why.append(f"zerolab keeps an {sd} gradient shard ({s}Ψ/N) on top of the whole gradients (the paper "
-                   "reduces into them, no shard)" if stage == 1 else
+                   "reduces into them, no shard)" if whole_grads else
                    f"zerolab's gradient shard is {sd} ({s}Ψ/N) where the paper's is {c}-byte ({c}Ψ/N)")
     if pad:
         why.append("buckets are padded to multiples of N")
@@ -49,18 +32,19 @@ def _fp32_floor_notes(p, stage: int, view: bool, dt: str, sd: str, s: int, c: in
     if view:
         p.notes.append(f"the shard the optimizer updates is a view of this rank's chunk of the {dt} weights (no "
                        "master copy)" + (", and the gradient shard a view of its chunk of the whole gradients"
-                                         if stage == 1 else ""))
+                                         if whole_grads else ""))
     else:
         p.notes.append(f"vs the paper ({paper} in mixed precision): the gradient shard is fp32 (4Ψ/N)"
-                       + (" on top of the whole 16-bit gradients" if stage == 1 else " rather than 16-bit (2Ψ/N)"))
+                       + (" on top of the whole 16-bit gradients" if whole_grads else " rather than 16-bit (2Ψ/N)"))
 
 
-def predict_zero12(p, shape, *, stage: int, shards: int, precision: str, k: float, bucket_mb: float,
+def predict_zero12(p, shape, *, whole_grads: bool, shards: int, precision: str, k: float, bucket_mb: float,
                    reduce_dtype: str, hsdp: bool, mode: Mode = Mode()) -> None:
-    """zero1/zero2 (zero.py): every bucket padded to a multiple of `shards`, one chunk owned; the
+    """zero1/zero2 (stages.py): every bucket padded to a multiple of `shards`, one chunk owned; the
     shard the optimizer updates, its gradient and the optimizer state exist for the owned chunks
-    only. The shard is an fp32 master copy in mixed precision and a view of the weights where they
-    are in the dtype it updates (fp32, bf16_pure), as is zero1's gradient shard then."""
+    only; `whole_grads`: zero1 keeps the whole gradients between steps, zero2 only their shard.
+    The shard is an fp32 master copy in mixed precision and a view of the weights where they are
+    in the dtype it updates (fp32, bf16_pure), as is zero1's gradient shard then."""
     n, c, dt, N = shape.n_params, COMPUTE_BYTES[precision], dtype_name(precision), shards
     sizes = zero_buckets(shape, N, c, bucket_mb)
     padded, shard = sum(sizes), sum(sizes) // N
@@ -71,24 +55,24 @@ def predict_zero12(p, shape, *, stage: int, shards: int, precision: str, k: floa
     p.add("params", n * c, f"{dt} weights, whole, views into per-bucket flat buffers: Ψ × {c}")
     if pad:
         p.add("params", pad * c, f"padding of {len(sizes)} bucket(s) to multiples of N: {fmt_n(pad)} × {c}")
-    if stage == 1:
+    if whole_grads:
         p.add("grads", padded * c, f"{dt} gradients, whole, views into per-bucket flat buffers "
                                    f"(kept between steps): {fmt_n(padded)} × {c}"
                                    + (" (the owned chunks are the gradient shard)" if view else ""))
     if mode.grad_shard == "bf16":  # precision.grad_shard=bf16: fp32 copies for the step only
-        if stage == 2:
+        if not whole_grads:
             p.add("grads", shard * c, f"{dt} gradient shard (the owned chunks, precision.grad_shard=bf16): "
                                       f"{fmt_n(shard)} × {c}")
         p.add("transient", shard * 4, f"fp32 copy of the {dt} gradient shard for the optimizer, during the step"
-                                      + (" (zero1's shard is its chunk of the whole gradients)" if stage == 1 else "")
+                                      + (" (zero1's shard is its chunk of the whole gradients)" if whole_grads else "")
                                       + f": {fmt_n(shard)} × 4", when="step")
-    elif not (stage == 1 and view):
+    elif not (whole_grads and view):
         p.add("grads", shard * s, f"{sd} gradient shard (the owned chunks): {fmt_n(shard)} × {s}")
     if not view:
         master_term(p, shard, mode, "shard the optimizer updates")
     _state_and_working_copies(p, shard, k, s, mode)
     rb = 4 if reduce_dtype == "fp32" else c
-    if stage == 2:
+    if not whole_grads:
         # backward waits once more than MAX_IN_FLIGHT are in flight, i.e. after launching one more
         p.add("transient", min(len(sizes), 2 + MAX_IN_FLIGHT) * max(sizes) * rb,
               "gradient buckets copied for reduce-scatter, freed as each finishes during backward "
@@ -104,7 +88,7 @@ def predict_zero12(p, shape, *, stage: int, shards: int, precision: str, k: floa
               when="step")
     if shape.buffer_bytes:
         p.add("buffers", shape.buffer_bytes, "model buffers")
-    _fp32_floor_notes(p, stage, view, dt, sd, s, c, pad)
+    _fp32_floor_notes(p, whole_grads, view, dt, sd, s, c, pad)
     if hsdp:
         p.notes.append(f"strategy.shard_within=node: sharded over the {N} ranks of a node (N = {N} in the terms "
                        "above), replicated on every node; the gradient shard is all-reduced across nodes in place")
@@ -112,7 +96,7 @@ def predict_zero12(p, shape, *, stage: int, shards: int, precision: str, k: floa
 
 def predict_zero3(p, shape, *, shards: int, per_node: int, precision: str, k: float, bucket_mb: float,
                   reduce_dtype: str, settings: dict, mode: Mode = Mode()) -> None:
-    """zero3 (zero3.py), what memory() measures between steps: the persistent chunks and the fp32
+    """zero3 (stage3.py), what memory() measures between steps: the persistent chunks and the fp32
     shards of every bucket, packed unit by unit (pack_units) and padded to multiples of `shards`;
     hpZ's secondary copy; the quantized collectives' wire buffers as transients."""
     n, c, dt, N = shape.n_params, COMPUTE_BYTES[precision], dtype_name(precision), shards

@@ -3,7 +3,7 @@
 any of ddp, zero1, zero2, zero3 loads into M ranks of any other (zerolab/checkpoint/reshard.py
 reads the ranges); and the full fp32 weights gathered bucket by bucket (consolidated_state_dict).
 
-Mixed into ZeroStrategy (zero.py), whose layout it reads: `groups` (each a FlatGroup of pieces,
+Mixed into ZeroBase (base.py), whose layout it reads: `groups` (each a FlatGroup of pieces,
 segments and names), the optimizer, and `_weights_follow_shard` (zero1/2 all-gather the loaded
 shard into the model; zero3 refreshes its persistent chunks).
 
