@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from zerolab.errors import ConfigError
-from zerolab.master import rebuild, round_to_bf16_, split_
+from zerolab.master import MasterStorage, rebuild, round_to_bf16_, split_
 from zerolab.optim import build_optimizer
 from zerolab.optim.segments import Segment
 from zerolab.precision import MasterCopy, Precision, face
@@ -149,16 +149,17 @@ def _stored(name, kw, flat, steps, master="remainder", states=None, track=False)
     start = _start(flat)
     faces = [face(p.shape, p.device) for p in start]
     weights = [p.to(torch.bfloat16) for p in start]
-    keys = {"master_storage": master}
+    keys = {}  # where the test reads the storage back
     if master != "fp32":
         keys["weights"] = weights
     if master == "remainder":
         keys["remainders"] = [torch.zeros(p.shape, dtype=torch.int16) for p in start]
-    if states:
-        keys["state_dtype"] = states
     if master == "fp32":
         faces = [torch.nn.Parameter(p.clone()) for p in start]
-    opt = build_optimizer(OptimConfig(name=name, **kw), _groups(faces, flat, keys))
+    group = {"state_dtype": states} if states else {}
+    if master != "fp32":
+        group["master"] = MasterStorage(master, faces, keys["weights"], keys.get("remainders", []))
+    opt = build_optimizer(OptimConfig(name=name, **kw), _groups(faces, flat, group))
     records = []
     for grads in _grads(flat, steps):
         for p, g in zip(faces, grads):

@@ -81,3 +81,17 @@ def test_the_shared_bounds_say_why():
     for name in ("MAX_IN_FLIGHT", "MAX_LIVE_BUCKETS"):
         comment = re.search(rf"((?:^#.*\n)+){name} = \d+$", source, re.M)
         assert comment and "Why" in comment.group(1), name
+
+
+def test_the_master_is_rounded_and_stored_in_one_place():
+    """zerolab/master.py alone splits, rebuilds and rounds a master (its MasterStorage, used by
+    ddp's MasterCopy, the ZeRO shard and the optimizers' stored path, and derived_weight)."""
+    primitives = {"split_", "rebuild", "round_to_bf16_"}
+    users = {}
+    for path in (ROOT / "zerolab").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module == "zerolab.master":
+                used = primitives & {a.name for a in node.names}
+                if used:
+                    users[str(path.relative_to(ROOT))] = sorted(used)
+    assert users == {}

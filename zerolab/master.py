@@ -99,3 +99,79 @@ def round_to_bf16_(master: torch.Tensor, weight: torch.Tensor, rounding: str = "
         w.masked_fill_(torch.isnan(master.view(-1)), _QUIET_NAN)
     else:
         raise ValueError(f"rounding={rounding!r}; known: {', '.join(ROUNDINGS)}")
+
+
+# ---- deriving the weight, and where the master is stored ---------------------------------------
+STORAGES = ("fp32", "remainder", "bf16")  # precision.master: how a bf16 run stores its fp32 master
+
+
+def derived_weight(master: torch.Tensor, dtype: torch.dtype, rounding: str) -> torch.Tensor:
+    """The weight of fp32 `master` in `dtype`, rounded as precision.weight_rounding says (ties away
+    from zero derives the weight as a remainder run does); `master` itself where the dtype is its own."""
+    if dtype != torch.bfloat16 or rounding == "nearest_even":
+        return master.to(dtype)
+    out = torch.empty(master.shape, dtype=dtype, device=master.device)
+    round_to_bf16_(master.contiguous(), out, rounding)
+    return out
+
+
+def derive_weight_(master: torch.Tensor, weight: torch.Tensor, rounding: str) -> None:
+    """weight <- its fp32 `master`, in place: rounded as derived_weight rounds it (bf16), or copied."""
+    if weight.dtype == torch.bfloat16:
+        round_to_bf16_(master, weight, rounding)
+    else:
+        weight.copy_(master)
+
+
+def _span(t: torch.Tensor, lo: int, hi: int | None) -> torch.Tensor:
+    """Elements [lo, hi) of t's flat view; t itself (its shape) when they are all of it."""
+    if lo == 0 and (hi is None or hi == t.numel()):
+        return t
+    return t.view(-1)[lo:hi]
+
+
+class MasterStorage:
+    """Where the fp32 masters of a list of tensors live (a bf16 run's precision.master): the one
+    place that reads a master as fp32, writes it back, and loads it.
+
+      fp32       masters[i] is the fp32 master itself (an fp32 copy, or the fp32 weights)
+      remainder  weights[i] (bf16, the model's weight) and remainders[i] (int16) hold it exactly
+      bf16       weights[i] alone holds it (lossy: rounded to bf16 on every store)
+
+    masters[i] is what the optimizer updates: the master itself under fp32, a face (an fp32
+    tensor of the master's shape that holds no memory, zerolab.precision.face) otherwise. An entry
+    is a whole tensor (ddp) or a flat piece of a shard (zerolab's ZeRO); lo and hi select a span of
+    its flat view, the whole entry in its own shape by default."""
+
+    def __init__(self, mode: str, masters: list, weights: list = (), remainders: list = ()):
+        if mode not in STORAGES:
+            raise ValueError(f"master storage {mode!r}; known: {', '.join(STORAGES)}")
+        self.mode, self.masters = mode, masters
+        self.weights, self.remainders = list(weights), list(remainders)
+
+    def fp32(self, i: int, lo: int = 0, hi: int | None = None) -> torch.Tensor:
+        """Elements [lo, hi) of master i in fp32: a view of it, or a copy rebuilt from its storage."""
+        if self.mode == "fp32":
+            return _span(self.masters[i].detach(), lo, hi)
+        w = _span(self.weights[i].detach(), lo, hi)
+        if self.mode == "remainder":
+            return rebuild(w, _span(self.remainders[i], lo, hi))
+        return w.float()
+
+    def store(self, i: int, value: torch.Tensor, lo: int = 0, hi: int | None = None) -> None:
+        """Write back fp32 `value`, taken from fp32(i, lo, hi) and changed in place (nothing to do
+        under fp32: `value` is a view of the master)."""
+        if self.mode == "fp32":
+            return
+        w = _span(self.weights[i].detach(), lo, hi)
+        if self.mode == "remainder":
+            split_(value.contiguous(), w, _span(self.remainders[i], lo, hi))
+        else:
+            w.copy_(value)  # round to nearest even: the lossy bf16 master
+
+    def load(self, i: int, value: torch.Tensor) -> None:
+        """Set master i from fp32 `value` (a checkpoint's), shaped like it."""
+        if self.mode == "fp32":
+            self.masters[i].detach().copy_(value)
+        else:
+            self.store(i, value)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from zerolab.master import rebuild, round_to_bf16_, split_
+from zerolab.master import MasterStorage, derive_weight_
 from zerolab.schema import PrecisionConfig
 
 log = logging.getLogger(__name__)
@@ -142,13 +142,11 @@ class Precision:
                    LossScaler(cfg, enabled=cfg.name == "fp16", device=device),
                    cfg.master, cfg.optim_states, cfg.grad_shard, rounding)
 
-    def storage(self) -> dict:
-        """The optimizer group keys that say how this precision stores what the optimizer updates
-        (zerolab/optim/stored.py); {} for the usual fp32 master and fp32 state."""
-        keys = {"master_storage": self.master} if self.master != "fp32" else {}
-        if self.optim_states == "bf16":
-            keys["state_dtype"] = torch.bfloat16
-        return keys
+    def state_keys(self) -> dict:
+        """The optimizer group key that says how this precision stores the optimizer's state
+        (zerolab/optim/stored.py); {} for the usual fp32 state. Where the master is stored is the
+        strategy's MasterStorage (zerolab/master.py), under the group's "master" key."""
+        return {"state_dtype": torch.bfloat16} if self.optim_states == "bf16" else {}
 
     @property
     def update_dtype(self) -> torch.dtype:
@@ -169,7 +167,7 @@ class MasterCopy:
     """FP32 master weights for unsharded strategies: the optimizer updates these, the model's
     16-bit weights are refreshed from them after every step. With precision.master=remainder or
     bf16 the master is not a copy: the optimizer updates fp32 faces (face()) and writes the model's
-    bf16 weights (and the int16 remainders) itself; groups() gives it the keys that say so."""
+    bf16 weights (and the int16 remainders) itself, through the MasterStorage groups() hands it."""
 
     def __init__(self, params: list[torch.nn.Parameter], precision: "Precision | None" = None):
         self.model_params = params
@@ -179,20 +177,25 @@ class MasterCopy:
             self.master = [torch.nn.Parameter(p.detach().float().clone()) for p in params]
         else:  # the master starts as the weight itself: remainder 0
             self.master = [face(p.shape, p.device) for p in params]
-        self.remainders = [torch.zeros_like(p, dtype=torch.int16) for p in params] if self.mode == "remainder" else []
+        remainders = [torch.zeros_like(p, dtype=torch.int16) for p in params] if self.mode == "remainder" else []
+        self.storage = MasterStorage(self.mode, self.master, params if self.mode != "fp32" else [], remainders)
+
+    @property
+    def remainders(self) -> list[torch.Tensor]:
+        return self.storage.remainders
 
     def groups(self, param_groups: list[dict]) -> list[dict]:
-        """The optimizer's param groups over the master (and how it is stored)."""
+        """The optimizer's param groups over the master (and how it is stored: "master")."""
         index = {id(p): i for i, p in enumerate(self.model_params)}
-        keys = self.precision.storage() if self.precision is not None else {}
+        keys = self.precision.state_keys() if self.precision is not None else {}
         out = []
         for g in param_groups:
             ids = [index[id(p)] for p in g["params"]]
             group = {**g, "params": [self.master[i] for i in ids], **keys}
             if self.mode != "fp32":
-                group["weights"] = [self.model_params[i] for i in ids]
-            if self.mode == "remainder":
-                group["remainders"] = [self.remainders[i] for i in ids]
+                s = self.storage
+                group["master"] = MasterStorage(self.mode, group["params"], [s.weights[i] for i in ids],
+                                                [s.remainders[i] for i in ids] if s.remainders else [])
             out.append(group)
         return out
 
@@ -205,36 +208,22 @@ class MasterCopy:
         if self.mode != "fp32":
             return  # the optimizer wrote the weights
         for p, m in zip(self.model_params, self.master):
-            self._weight_from_master(p, m)
+            derive_weight_(m, p, self._rounding())
 
-    def _weight_from_master(self, weight: torch.Tensor, master: torch.Tensor) -> None:
-        """The model's weight from its fp32 master: rounded as precision.weight_rounding says (bf16),
-        or copied."""
-        rounding = self.precision.weight_rounding if self.precision is not None else "nearest_even"
-        if weight.dtype == torch.bfloat16:
-            round_to_bf16_(master, weight, rounding)
-        else:
-            weight.copy_(master)
+    def _rounding(self) -> str:
+        return self.precision.weight_rounding if self.precision is not None else "nearest_even"
 
     def fp32(self, i: int) -> torch.Tensor:
         """Parameter i's fp32 master, exactly (a copy where it is stored as a pair)."""
-        if self.mode == "fp32":
-            return self.master[i].detach()
-        if self.mode == "remainder":
-            return rebuild(self.model_params[i].detach(), self.remainders[i])
-        return self.model_params[i].detach().float()
+        return self.storage.fp32(i)
 
     @torch.no_grad()
     def load_fp32(self, i: int, value: torch.Tensor) -> None:
         """Set parameter i's master (and so its weight) from fp32 `value`."""
         value = value.to(device=self.model_params[i].device, dtype=torch.float32).reshape(self.model_params[i].shape)
+        self.storage.load(i, value)
         if self.mode == "fp32":
-            self.master[i].copy_(value)
-            self._weight_from_master(self.model_params[i], self.master[i])
-        elif self.mode == "remainder":
-            split_(value.contiguous(), self.model_params[i].data, self.remainders[i])
-        else:
-            self.model_params[i].copy_(value)
+            derive_weight_(self.master[i], self.model_params[i], self._rounding())
 
 
 def grad_norm_sq(grads: list[torch.Tensor]) -> torch.Tensor:

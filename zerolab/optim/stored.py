@@ -2,13 +2,12 @@
 
 A param group may say how its values are kept (keys a strategy or zerolab.precision.MasterCopy
 sets; absent, the step is zerolab's usual one):
-  "master_storage"  "fp32": the params hold their values (the usual case);
-                    "remainder": group["weights"][i] (bf16) and group["remainders"][i] (int16)
-                    hold param i's fp32 master exactly (zerolab/master.py);
-                    "bf16": group["weights"][i] alone (lossy: the master is rounded to bf16
-                    after every update)
-  "state_dtype"     torch.bfloat16: the optimizer's per-element state (Adam's moments, a momentum
-                    buffer) is stored in bf16 (lossy: rounded after every update)
+  "master"       a zerolab.master.MasterStorage: where param i's fp32 master lives when it is not
+                 the param itself (precision.master=remainder: the bf16 weight and an int16
+                 remainder, exactly; bf16: the weight alone, lossy); read with its fp32(), written
+                 back with its store()
+  "state_dtype"  torch.bfloat16: the optimizer's per-element state (Adam's moments, a momentum
+                 buffer) is stored in bf16 (lossy: rounded after every update)
 Where the master is stored elsewhere the params are "faces": fp32 tensors of the right shape that
 hold no memory (zerolab.precision.face), carrying the fp32 gradient and keying the state.
 
@@ -28,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from zerolab.master import rebuild, split_
+from zerolab.master import MasterStorage
 from zerolab.optim.segments import Segment, is_flat_group, per_tensor_sum_sq
 
 CHUNK = 1 << 22  # elements per materialised piece of an elementwise update (16 MB of fp32 per copy)
@@ -41,7 +40,16 @@ ALIGN = 64
 
 def is_stored(group: dict) -> bool:
     """Whether the group keeps values in another dtype than its optimizer computes in."""
-    return group.get("master_storage", "fp32") != "fp32" or group.get("state_dtype") not in (None, torch.float32)
+    return _master_mode(group) != "fp32" or group.get("state_dtype") not in (None, torch.float32)
+
+
+def _master_mode(group: dict) -> str:
+    return group["master"].mode if "master" in group else "fp32"
+
+
+def _storage(group: dict) -> MasterStorage:
+    """Where the group's masters live: its "master", or the params themselves."""
+    return group["master"] if "master" in group else MasterStorage("fp32", group["params"])
 
 
 def _span(t: torch.Tensor, c0: int, c1: int, shape) -> torch.Tensor:
@@ -102,27 +110,6 @@ class _Record:
         return {"names": self.names, "partial": self.flat, "update_sq": self.upd, "weight_sq": self.w}
 
 
-def _master_fp32(group: dict, i: int, c0: int, c1: int) -> torch.Tensor:
-    p, mode = group["params"][i], group.get("master_storage", "fp32")
-    if mode == "fp32":
-        return _span(p.detach(), c0, c1, p.shape)
-    w = _span(group["weights"][i], c0, c1, p.shape)
-    if mode == "remainder":
-        return rebuild(w, _span(group["remainders"][i], c0, c1, p.shape))
-    return w.float()
-
-
-def _store_master(group: dict, i: int, c0: int, c1: int, value: torch.Tensor) -> None:
-    p, mode = group["params"][i], group.get("master_storage", "fp32")
-    if mode == "fp32":
-        return  # `value` is a view of the params themselves
-    w = _span(group["weights"][i], c0, c1, p.shape)
-    if mode == "remainder":
-        split_(value, w, _span(group["remainders"][i], c0, c1, p.shape))
-    else:
-        w.copy_(value)  # round to nearest even: the lossy bf16 master
-
-
 def _load_state(stored: dict, step0, c0: int, c1: int, like: torch.Tensor) -> dict:
     """The stored state of one piece as fp32: views of fp32 state, copies of bf16 state; the step
     counter as it was before this step (every piece of a tensor advances it from there)."""
@@ -150,10 +137,10 @@ def _working_bytes(group: dict, sub_params: list, states: list[dict], dtype: tor
     """Bytes of the fp32 copies a unit holds at once: rebuilt or upcast masters, upcast states, the
     snapshot a logged step compares against, and the remainder split's int16 and flag temporaries."""
     n = sum(t.numel() for t in sub_params)
-    copies = 4 * n if group.get("master_storage", "fp32") != "fp32" else 0
+    copies = 4 * n if _master_mode(group) != "fp32" else 0
     if dtype != torch.float32:
         copies += sum(4 * v.numel() for st in states for k, v in st.items() if k != "step")
-    split = 3 * max(t.numel() for t in sub_params) if group.get("master_storage") == "remainder" else 0
+    split = 3 * max(t.numel() for t in sub_params) if _master_mode(group) == "remainder" else 0
     return copies + split + (4 * n if tracked else 0)
 
 
@@ -179,12 +166,12 @@ def step_group(opt, group: dict) -> None:
 
 
 def _run_unit(opt, group: dict, unit, steps0: dict, dtype: torch.dtype, record) -> None:
-    params, sub_params = group["params"], []
+    params, sub_params, master = group["params"], [], _storage(group)
     for i, c0, c1 in unit:
         if params[i].dtype != torch.float32:
             raise ValueError(f"a stored param group computes in fp32; its params (or faces) must be fp32, "
                              f"got {params[i].dtype}")
-        t = _master_fp32(group, i, c0, c1)
+        t = master.fp32(i, c0, c1)
         t.grad = _span(params[i].grad, c0, c1, params[i].shape)
         opt.state[t] = _load_state(opt.state[params[i]], steps0[i], c0, c1, t)
         sub_params.append(t)
@@ -199,11 +186,10 @@ def _run_unit(opt, group: dict, unit, steps0: dict, dtype: torch.dtype, record) 
         group, sub_params, [opt.state[t] for t in sub_params], dtype, record is not None))
     afters = []
     for (i, c0, c1), t in zip(unit, sub_params):
-        _store_master(group, i, c0, c1, t)
+        master.store(i, t, c0, c1)
         _store_state(opt.state[params[i]], opt.state.pop(t), c0, c1, params[i], dtype)
-        if record is not None:
-            mode = group.get("master_storage", "fp32")
-            afters.append(_span(group["weights"][i], c0, c1, t.shape).float() if mode == "bf16" else t)
+        if record is not None:  # (the bf16 master is what the store rounded t to)
+            afters.append(master.fp32(i, c0, c1) if master.mode == "bf16" else t)
     if record is not None:
         record.add(unit, before, afters)
 

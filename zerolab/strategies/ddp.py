@@ -147,7 +147,7 @@ class DDPStrategy(Strategy):
     def load_checkpoint_state(self, read) -> None:
         """Every rank reads the whole of every tensor. torch's optimizers create state lazily, so
         the state entries are created here from the kinds the checkpoint holds."""
-        state_dtype = self.precision.storage().get("state_dtype", None) if self.master else None
+        state_dtype = self.precision.state_keys().get("state_dtype", None) if self.master else None
         for i, (name, p) in enumerate(zip(self.names, self._optimizer_params())):
             n = p.numel()
             if self.master:  # the master, and from it the model's weights (rounded, or split: precision.master)

@@ -57,6 +57,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from zerolab.buckets import MAX_IN_FLIGHT, bucket_cap, pack_buckets
+from zerolab.master import derived_weight
 from zerolab.accounting import StorageCounter
 from zerolab.models import place
 from zerolab.optim.segments import Segment
@@ -67,7 +68,7 @@ from zerolab.strategies.base import PRECISION_MODE_SETTINGS, ZEROLAB_STEP_SETTIN
 from zerolab.strategies.zero.checkpoint import ZeroPieces
 from zerolab.strategies.zero.layout import Bucket, check_node_settings, layout_for, shards_for
 from zerolab.strategies.zero.memory import predict_zero12
-from zerolab.strategies.zero.shard import FlatGroup, ShardGrads, rounded
+from zerolab.strategies.zero.shard import FlatGroup, ShardGrads
 
 
 class ZeroBase(ZeroPieces, ShardGrads, Strategy):
@@ -208,7 +209,7 @@ class ZeroBase(ZeroPieces, ShardGrads, Strategy):
         return make_optimizer([
             {**{k: v for k, v in g.items() if k not in ("params", "names")}, "params": fg.pieces,
              "segments": fg.segments, "n_tensors": len(g["params"]), "names": g["names"],
-             "allreduce": self._all_reduce, **self.precision.storage(), **fg.storage()}
+             "allreduce": self._all_reduce, **self.precision.state_keys(), **fg.optimizer_keys()}
             for g, fg in zip(param_groups, self.groups)])
 
     # ---- what a stage supplies (stages.py, stage3.py) ------------------------------------------
@@ -303,9 +304,9 @@ class ZeroBase(ZeroPieces, ShardGrads, Strategy):
         for i in reversed(range(len(self.buckets))):
             b = self.buckets[i]
             if self.master_mode != "fp32":
-                chunk = self.groups[b.group].weights[b.piece]
+                chunk = self.groups[b.group].storage.weights[b.piece]
             else:
-                chunk = rounded(self._shard_chunk(b), b.flat_params.dtype, self.precision.weight_rounding)
+                chunk = derived_weight(self._shard_chunk(b), b.flat_params.dtype, self.precision.weight_rounding)
             if not (self.shard_is_weights or self.master_mode != "fp32"):  # a 16-bit copy, alive until waited for
                 self._gather_input_bytes[i] = chunk.untyped_storage().nbytes()
                 self.transient.alloc(self._gather_input_bytes[i], "step")
@@ -368,7 +369,7 @@ class ZeroBase(ZeroPieces, ShardGrads, Strategy):
         c.add("params", (b.flat_params for b in self.buckets))
         c.add("grads", (b.flat_grads for b in self.buckets)).add("grads", self._all_grad_shards())
         c.add("master", (piece for g in self.groups for piece in g.pieces))  # (faces hold nothing)
-        c.add("master", (r for g in self.groups for r in g.remainders)).add_optimizer(self.optimizer)
+        c.add("master", (r for g in self.groups for r in g.storage.remainders)).add_optimizer(self.optimizer)
         c.add("buffers", (b.comm_buf for b in self.buckets)).add("buffers", self.model.buffers())
         return c.result()
 

@@ -33,13 +33,13 @@ class ZeroPieces:
             tensors = []
             for k, piece in enumerate(g.pieces):
                 state = self.optimizer.state.get(piece, {})
-                tensors.append({"master": g.master_fp32(k),
+                tensors.append({"master": g.storage.fp32(k),
                                 **{kind: v for kind, v in state.items() if is_element_state(v, like=piece)}})
             for s in g.segments:
                 yield g, s, tensors[s.piece]
             if write_back:
                 for k, t in enumerate(tensors):
-                    g.store_master(k, t["master"])
+                    g.storage.store(k, t["master"])
 
     def checkpoint_state(self) -> dict[str, ShardPiece]:
         self._wait_gathers()
@@ -98,7 +98,7 @@ class ZeroPieces:
             names.setdefault(id(t), []).append(name)  # a tied weight has two names: two copies
         out = {}
         for b in self.buckets:
-            chunk = self.groups[b.group].master_fp32(b.piece, b.shard_pos, b.shard_pos + b.chunk)
+            chunk = self.groups[b.group].storage.fp32(b.piece, b.shard_pos, b.shard_pos + b.chunk)
             full = torch.empty(b.size, dtype=self.shard_dtype, device=self.ctx.device)
             dist.all_gather_single(full, chunk.contiguous(), group=self.shard_group)
             if main:

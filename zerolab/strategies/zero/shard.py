@@ -19,7 +19,7 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
-from zerolab.master import rebuild, round_to_bf16_, split_
+from zerolab.master import MasterStorage
 from zerolab.optim.segments import Segment
 from zerolab.precision import face
 
@@ -32,29 +32,14 @@ class FlatGroup:
     pieces: list = field(default_factory=list)  # nn.Parameter, one per bucket (zero1/2) or per group (zero3)
     segments: list[Segment] = field(default_factory=list)
     names: list[str] = field(default_factory=list)
-    # precision.master=remainder|bf16 (module docstring): per piece, the bf16 weights that hold its
-    # master (the pieces are then faces) and, for remainder, the int16 low halves; empty otherwise
-    weights: list = field(default_factory=list)
-    remainders: list = field(default_factory=list)
+    # where each piece's fp32 master lives (zerolab/master.py): the piece itself, or under
+    # precision.master=remainder|bf16 (module docstring) the bf16 weights that hold it (the pieces
+    # are then faces) and, for remainder, the int16 low halves
+    storage: Optional[MasterStorage] = None
 
-    def master_fp32(self, k: int, lo: int = 0, hi: Optional[int] = None) -> torch.Tensor:
-        """Elements [lo, hi) of piece k's fp32 master: a view of the piece, or a copy rebuilt from
-        where it is stored."""
-        if not self.weights:
-            return self.pieces[k].data[lo:hi]
-        if self.remainders:
-            return rebuild(self.weights[k][lo:hi], self.remainders[k][lo:hi])
-        return self.weights[k][lo:hi].float()
-
-    def store_master(self, k: int, value: torch.Tensor) -> None:
-        """Write fp32 `value`, from master_fp32(k), back as piece k's master (nothing to do where
-        the piece is the master: `value` is a view of it)."""
-        if not self.weights:
-            return
-        if self.remainders:
-            split_(value.contiguous(), self.weights[k], self.remainders[k])
-        else:
-            self.weights[k].copy_(value)
+    def __post_init__(self):
+        if self.storage is None:
+            self.storage = MasterStorage("fp32", self.pieces)
 
     @property
     def master(self) -> nn.Parameter:
@@ -71,19 +56,20 @@ class FlatGroup:
         an fp32 master copied from the weights does."""
         if self.pieces[k] is None:
             self.pieces[k] = face((size,), chunk.device)
-            if not self.weights:
-                self.weights = [None] * len(self.pieces)
-                self.remainders = [None] * len(self.pieces) if mode == "remainder" else []
-            self.weights[k] = torch.zeros(size, dtype=chunk.dtype, device=chunk.device) if own_buffer else chunk
+            if self.storage.mode == "fp32":
+                n = len(self.pieces)
+                self.storage = MasterStorage(mode, self.pieces, [None] * n, [None] * n if mode == "remainder" else [])
+            self.storage.weights[k] = torch.zeros(size, dtype=chunk.dtype, device=chunk.device) if own_buffer \
+                else chunk
             if mode == "remainder":
-                self.remainders[k] = torch.zeros(size, dtype=torch.int16, device=chunk.device)
+                self.storage.remainders[k] = torch.zeros(size, dtype=torch.int16, device=chunk.device)
         if own_buffer:
-            self.weights[k][at:at + chunk.numel()].copy_(chunk)
+            self.storage.weights[k][at:at + chunk.numel()].copy_(chunk)
 
-    def storage(self) -> dict:
-        """The optimizer group keys that say where the masters live (zerolab/optim/stored.py)."""
-        keys = {"weights": self.weights} if self.weights else {}
-        return {**keys, "remainders": self.remainders} if self.remainders else keys
+    def optimizer_keys(self) -> dict:
+        """The optimizer group key that says where the masters live, when not in the pieces
+        (zerolab/optim/stored.py)."""
+        return {"master": self.storage} if self.storage.mode != "fp32" else {}
 
 
 class ShardGrads:
@@ -137,12 +123,3 @@ class ShardGrads:
                 piece.grad = None
             self.transient.free(nbytes)
 
-
-def rounded(master: torch.Tensor, dtype: torch.dtype, rounding: str) -> torch.Tensor:
-    """An fp32 master (chunk) in the weights' dtype, rounded as precision.weight_rounding says
-    (ties away from zero derives the weights as a remainder run does: zerolab/master.py)."""
-    if dtype != torch.bfloat16 or rounding == "nearest_even":
-        return master.to(dtype)
-    out = torch.empty(master.shape, dtype=dtype, device=master.device)
-    round_to_bf16_(master.contiguous(), out, rounding)
-    return out

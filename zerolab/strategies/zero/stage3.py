@@ -82,6 +82,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from zerolab.buckets import MAX_LIVE_BUCKETS, bucket_cap, pack_units
+from zerolab.master import derived_weight
 from zerolab.accounting import StorageCounter
 from zerolab.models import block_of_parameters, find_blocks
 from zerolab.models.recompute import tensors_in
@@ -91,7 +92,6 @@ from zerolab.strategies.zero.base import ZeroBase
 from zerolab.strategies.zero.layout import Bucket, shards_for
 from zerolab.strategies.zero.memory import predict_zero3
 from zerolab.strategies.zero.quantized import FinishedWork, gather_quantized, reduce_scatter_quantized
-from zerolab.strategies.zero.shard import rounded
 from zerolab.strategies.zero.stages import Zero2Strategy
 
 @dataclass
@@ -136,10 +136,10 @@ class Zero3Strategy(Zero2Strategy):
         # bf16_pure) it is the weights, and nothing is stored twice; under precision.master=remainder
         # or bf16 the persistent chunks hold the master (shard.py): the optimizer writes them.
         if self.master_mode != "fp32":
-            self.local = [g.weights[0] for g in self.groups]
+            self.local = [g.storage.weights[0] for g in self.groups]
         else:
-            self.local = [g.master.data if self.shard_dtype == self.precision.compute_dtype
-                          else rounded(g.master.data, self.precision.compute_dtype, self.precision.weight_rounding)
+            dtype, rounding = self.precision.compute_dtype, self.precision.weight_rounding
+            self.local = [g.master.data if self.shard_dtype == dtype else derived_weight(g.master.data, dtype, rounding)
                           for g in self.groups]
         self.optimizer = self._make_optimizer(param_groups, make_optimizer)
         self.pending: deque = deque()  # reduce-scatters in flight (base.py)
@@ -366,7 +366,7 @@ class Zero3Strategy(Zero2Strategy):
             if self.precision.weight_rounding == "nearest_even":
                 local.copy_(g.master.data)  # one rounding to compute dtype, as zero2's all-gather input
             else:  # (ties away from zero: weights derived as a remainder run derives them)
-                local.copy_(rounded(g.master.data, local.dtype, self.precision.weight_rounding))
+                local.copy_(derived_weight(g.master.data, local.dtype, self.precision.weight_rounding))
 
     # ---- introspection ------------------------------------------------------------------------
     def memory(self) -> dict[str, int]:
@@ -377,7 +377,8 @@ class Zero3Strategy(Zero2Strategy):
         c = StorageCounter()
         c.add("params", self.local).add("params", (b.flat_params for b in self.buckets)).add("params", self.secondary)
         c.add("grads", self._all_grad_shards())
-        c.add("master", (g.master for g in self.groups)).add("master", (r for g in self.groups for r in g.remainders))
+        c.add("master", (g.master for g in self.groups))
+        c.add("master", (r for g in self.groups for r in g.storage.remainders))
         c.add_optimizer(self.optimizer)
         c.add("buffers", (b.comm_buf for b in self.buckets)).add("buffers", self.model.buffers())
         return c.result()
