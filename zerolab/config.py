@@ -70,8 +70,11 @@ def _check_model(m: ModelConfig) -> None:
     # The user's models (docs/models.md); what needs their files or code is checked before any rank
     # trains (zerolab.models.preflight, from zerolab/job.py and launch/run_dir.py).
     if m.kind == "hf" and not m.config:
-        raise ConfigError("model=hf needs model.config=PATH: a config.json, a saved model's directory, or a hub id "
-                          "in the local Hugging Face cache")
+        from zerolab.models.sources import shipped_shapes
+
+        raise ConfigError("model=hf needs model.config=PATH: a config.json, a saved model's directory, a hub id "
+                          "in the local Hugging Face cache, or the name of a shape zerolab ships: "
+                          f"{', '.join(shipped_shapes())}")
     if m.kind == "custom" and not re.fullmatch(r"[\w.]+:[\w.]+", m.target):
         raise ConfigError(f"model=custom needs model.target=pkg.module:Name (a class or factory of an nn.Module on "
                           f"the Python path), got {m.target!r}")

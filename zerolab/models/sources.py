@@ -2,11 +2,13 @@
 nn.Module (model=custom), built so that the strategies see what they see of zerolab's GPT: a
 module mapping token ids [B, T] to logits [B, T, V], parameters under the model's own names.
 
-- model=hf: `model.config` is a config.json, a directory holding one, or a hub id looked up in
-  the local Hugging Face cache only (huggingface_hub.try_to_load_from_cache: no network call,
-  whatever HF_HUB_OFFLINE says). The model is AutoModelForCausalLM.from_config in fp32, with its
-  KV cache off (training keeps no cache) and no remote code. transformers is imported here only,
-  and only when such a model is resolved: runs of zerolab's own models never import it.
+- model=hf: `model.config` is a config.json, a directory holding one, the name of a shape zerolab
+  ships (zerolab/models/shapes/NAME.json: published open models' configs, no weights; a local
+  path of that name wins), or a hub id looked up in the local Hugging Face cache only
+  (huggingface_hub.try_to_load_from_cache: no network call, whatever HF_HUB_OFFLINE says). The
+  model is AutoModelForCausalLM.from_config in fp32, with its KV cache off (training keeps no
+  cache) and no remote code. transformers is imported here only, and only when such a model is
+  resolved: runs of zerolab's own models never import it.
 - model=custom: `model.target=pkg.module:Name` is imported from the Python path and called with
   `model.kwargs`; it must return an nn.Module.
 - Either may start from `model.weights` (safetensors, keyed by the model's own names); without
@@ -35,6 +37,18 @@ from zerolab.schema import ModelConfig, default_of
 
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")  # "gpt2", "org/name"
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
+SHAPES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "shapes")  # NAME.json, sources in README.md
+
+
+def shipped_shapes() -> list[str]:
+    """The names `model.config=NAME` takes for a shape zerolab ships (zerolab/models/shapes/)."""
+    return sorted(f[:-len(".json")] for f in os.listdir(SHAPES) if f.endswith(".json"))
+
+
+def shipped_shape(spec: str) -> Optional[str]:
+    """The shipped config.json that `spec` names, or None."""
+    path = os.path.join(SHAPES, f"{spec}.json")
+    return path if "/" not in spec and os.sep not in spec and os.path.isfile(path) else None
 
 
 # ---- where a config or weights are --------------------------------------------------------------
@@ -49,18 +63,21 @@ def _from_cache(spec: str, filename: str) -> Optional[str]:
 
 
 def _not_found(key: str, spec: str, what: str) -> ConfigError:
-    if HUB_ID.match(spec) and not spec.endswith((".json", ".safetensors")):
+    if HUB_ID.match(spec) and not spec.endswith((".json", ".safetensors")):  # a name: which names there are
+        shipped = (f"; or a shape zerolab ships, by name: {', '.join(shipped_shapes())} (zerolab/models/shapes/)"
+                   if key == "model.config" else "")
         from huggingface_hub import constants
 
-        return ConfigError(f"{key}={spec}: no such file or directory, and no hub id {spec!r} with {what} in the "
-                           f"local Hugging Face cache ({constants.HF_HUB_CACHE}). zerolab never downloads: fetch it "
-                           f"where there is network (`hf download {spec}`) into that cache, or give a local path")
+        return ConfigError(f"{key}={spec}: no such file or directory, no shipped shape of that name, and no hub id "
+                           f"{spec!r} with {what} in the local Hugging Face cache ({constants.HF_HUB_CACHE}). zerolab "
+                           f"never downloads: fetch it where there is network (`hf download {spec}`) into that cache, "
+                           f"or give a local path{shipped}")
     return ConfigError(f"{key}={spec}: no such file or directory")
 
 
 def config_file(spec: str) -> str:
-    """The config.json that model.config=spec means: the file, the one in the directory, or the
-    cached one of a hub id."""
+    """The config.json that model.config=spec means: the file, the one in the directory, the
+    shipped shape of that name, or the cached one of a hub id."""
     if os.path.isfile(spec):
         return spec
     if os.path.isdir(spec):
@@ -69,7 +86,7 @@ def config_file(spec: str) -> str:
             raise ConfigError(f"model.config={spec}: the directory holds no config.json (a saved model's "
                               "directory has one; or give the config file itself)")
         return path
-    found = _from_cache(spec, "config.json")
+    found = shipped_shape(spec) or _from_cache(spec, "config.json")
     if found is None:
         raise _not_found("model.config", spec, "a config.json")
     return found
@@ -145,7 +162,8 @@ def vocab_fix(m: ModelConfig) -> Optional[Callable[[int], str]]:
         return None
     path = config_file(m.config)
     local = os.path.isdir(m.config) or os.path.abspath(path) == os.path.abspath(m.config)
-    where = path if local else f"a copy of {path} (the cached config of {m.config}), given as model.config"
+    what = "the shipped shape" if path == shipped_shape(m.config) else "the cached config"
+    where = path if local else f"a copy of {path} ({what} {m.config}), given as model.config"
 
     def fix(need: int) -> str:
         return (f"Under model=hf the vocabulary is the transformers config's vocab_size (model.vocab_size cannot "
