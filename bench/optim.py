@@ -33,7 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from zerolab.config import OptimConfig, compose  # noqa: E402
 from zerolab.models import build_model  # noqa: E402
 from zerolab.optim import build_optimizer  # noqa: E402
-from zerolab.optim.segments import Segment  # noqa: E402
+from zerolab.optim.segments import FlatShard, Segment  # noqa: E402
 from zerolab.stats import percentile  # noqa: E402
 
 HP = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
@@ -64,8 +64,8 @@ def variants(optim: str) -> dict:
             for i, t in enumerate(init):
                 segs.append(Segment(tensor=i, start=off, end=off + t.numel(), offset=0))
                 off += t.numel()
-            group = {"params": [p], "names": [str(i) for i in range(len(init))], "segments": segs,
-                     "n_tensors": len(init), "allreduce": lambda t: None}
+            group = {"params": [p], "names": [str(i) for i in range(len(init))],
+                     "shard": FlatShard(segs, len(init), lambda t: None)}
             return [p], build_optimizer(cfg(impl), [group])
         return make
 

@@ -10,7 +10,7 @@ import torch
 from zerolab.errors import ConfigError
 from zerolab.master import MasterStorage, rebuild, round_to_bf16_, split_
 from zerolab.optim import build_optimizer
-from zerolab.optim.segments import Segment
+from zerolab.optim.segments import FlatShard, Segment
 from zerolab.precision import MasterCopy, Precision, face
 from zerolab.memory import predict, shape_from_params
 from zerolab.memory.cli import format_modes, mode_rows
@@ -116,8 +116,8 @@ def _groups(params, flat: bool, extra: dict | None = None) -> list[dict]:
         return [{"params": params, "names": ["a", "b", "c"], "weight_decay": 0.1, **extra}]
     segs = [Segment(0, 0, 37, 0, piece=0), Segment(1, 37, 167, 0, piece=0), Segment(1, 0, 34, 130, piece=1),
             Segment(2, 34, 234, 0, piece=1)]
-    return [{"params": params, "segments": segs, "n_tensors": 3, "names": ["a", "b", "c"], "weight_decay": 0.1,
-             "allreduce": lambda t: None, "stored_chunk": 64, **extra}]
+    return [{"params": params, "shard": FlatShard(segs, 3, lambda t: None), "names": ["a", "b", "c"],
+             "weight_decay": 0.1, "stored_chunk": 64, **extra}]
 
 
 def _start(flat: bool, seed: int = 0):

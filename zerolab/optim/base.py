@@ -203,7 +203,7 @@ class ZerolabOptimizer(torch.optim.Optimizer):
         Δw is never materialised (a fused kernel) or rounding may swallow part of it (16-bit)."""
         diffs = [upcast(p.detach()) - b for p, b in zip(params, before)]
         if is_flat_group(group):
-            segs, n = group["segments"], group["n_tensors"]
+            segs, n = group["shard"].segments, group["shard"].n_tensors
             upd_sq, w_sq = per_tensor_sum_sq(diffs, segs, n), per_tensor_sum_sq(before, segs, n)
             names = list(group["names"])
         else:
@@ -236,7 +236,7 @@ class ZerolabOptimizer(torch.optim.Optimizer):
         """Per tensor ‖s − decay·w‖² = ‖s‖² − 2·decay·⟨s, w⟩ + decay²·‖w‖², and ‖w‖², without
         materialising Δw (flat groups: this rank's partial sums over its segments)."""
         if is_flat_group(group):
-            segs, n = group["segments"], group["n_tensors"]
+            segs, n = group["shard"].segments, group["shard"].n_tensors
             s_sq, w_sq = per_tensor_sum_sq(updates, segs, n), per_tensor_sum_sq(params, segs, n)
             dot = torch.zeros(n, dtype=s_sq.dtype, device=params[0].device)
             if decay:
@@ -331,12 +331,12 @@ def layer_norms(group: dict, a: list[torch.Tensor], b: list[torch.Tensor]) -> tu
     """Per-tensor L2 norms of two lists (e.g. weights and updates), as fp32 vectors.
 
     Unsharded group: norms of whole tensors. Flat group: this rank's partial sums of squares
-    over its segments, completed by ONE call to group["allreduce"] for both vectors, so every
+    over its segments, completed by ONE call to the shard's allreduce for both vectors, so every
     rank ends with the full per-tensor norms of tensors that straddle shard boundaries."""
     if is_flat_group(group):
-        segs, n = group["segments"], group["n_tensors"]
+        segs, n = group["shard"].segments, group["shard"].n_tensors
         both = torch.cat([per_tensor_sum_sq(a, segs, n), per_tensor_sum_sq(b, segs, n)])
-        group["allreduce"](both)
+        group["shard"].allreduce(both)
         return both[:n].sqrt(), both[n:].sqrt()
     return per_tensor_norms(a), per_tensor_norms(b)
 
@@ -347,7 +347,7 @@ def scale_per_tensor(group: dict, tensors: list[torch.Tensor], factors: torch.Te
     as it is: its update is 0 (zero gradient, zero weight)."""
     if is_flat_group(group):
         factors = factors.to(device=tensors[0].device, dtype=tensors[0].dtype)
-        for seg in group["segments"]:
+        for seg in group["shard"].segments:
             tensors[seg.piece][seg.start:seg.end].mul_(factors[seg.tensor])
     else:
         for t, f in zip(tensors, factors.to(tensors[0].device).unbind()):

@@ -7,10 +7,8 @@ Elementwise optimizers (SGD, Adam, AdamW) need nothing more. Layer-wise ones (LA
 per-*tensor* norms: each rank sums squares over the segments it owns and one all-reduce completes
 them. A flat group carries:
   "params":    [flat pieces of the shard]
-  "segments":  list[Segment], the parts of original tensors inside those pieces
-  "n_tensors": number of tensors in the group (length of the per-tensor norm vector)
   "names":     the tensors' names, indexed by Segment.tensor
-  "allreduce": callable(t) summing t over the data-parallel ranks in place
+  "shard":     a FlatShard (below): where the tensors lie in the pieces, and how to complete a sum
 The shard's .grad belongs to the sharder, which zeroes it after every step: an optimizer may
 overwrite it during step() once it has read it (LAMB and LARS build their update there, so a
 step allocates no shard-sized temporary; fresh allocations that large cost page faults per step).
@@ -18,6 +16,7 @@ step allocates no shard-sized temporary; fresh allocations that large cost page 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -31,8 +30,16 @@ class Segment:
     piece: int = 0  # which of the group's flat pieces ("params") holds it
 
 
+@dataclass(frozen=True)
+class FlatShard:
+    """What a flat (ZeRO) param group carries beside its params, under the group's "shard" key."""
+    segments: list[Segment]  # the parts of original tensors inside the group's flat pieces
+    n_tensors: int  # tensors in the group: the length of a per-tensor norm vector
+    allreduce: Callable[[torch.Tensor], None]  # sums a tensor over the ranks that share the shard, in place
+
+
 def is_flat_group(group: dict) -> bool:
-    return "segments" in group
+    return "shard" in group
 
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)

@@ -25,6 +25,8 @@ is `last_working_bytes` after the step, for the strategy's transient accounting.
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from zerolab.master import MasterStorage
@@ -75,7 +77,7 @@ def _sub_segments(group: dict, unit: list[tuple[int, int, int]]) -> list[Segment
     """The group's segments as seen by a sub-group over `unit` (piece k of the sub-group is unit[k])."""
     out = []
     for k, (i, c0, c1) in enumerate(unit):
-        for s in group["segments"]:
+        for s in group["shard"].segments:
             lo, hi = max(s.start, c0), min(s.end, c1)
             if s.piece == i and lo < hi:
                 out.append(Segment(s.tensor, lo - c0, hi - c0, s.offset + lo - s.start, piece=k))
@@ -89,7 +91,7 @@ class _Record:
         flat = is_flat_group(group)
         self.group, self.flat = group, flat
         self.slot = {i: k for k, i in enumerate(live)}
-        n = group["n_tensors"] if flat else len(live)
+        n = group["shard"].n_tensors if flat else len(live)
         self.names = list(group["names"]) if flat else [group["names"][i] for i in live] if group.get("names") \
             else [f"{id(group)}.{i}" for i in live]
         self.upd = torch.zeros(n, dtype=torch.float32)
@@ -178,7 +180,7 @@ def _run_unit(opt, group: dict, unit, steps0: dict, dtype: torch.dtype, record) 
     before = [t.detach().clone() for t in sub_params] if record is not None else None
     sub = {**group, "params": sub_params}
     if is_flat_group(group):
-        sub["segments"] = _sub_segments(group, unit)
+        sub["shard"] = replace(group["shard"], segments=_sub_segments(group, unit))
     else:
         sub["names"] = [group["names"][i] for i, _, _ in unit] if group.get("names") else None
     opt._step_group(sub)
@@ -202,7 +204,7 @@ def fuses(opt, group: dict) -> bool:
         return True
     probe = torch.zeros(1, dtype=torch.float32, device=live[0].grad.device)
     probe.grad = torch.zeros_like(probe)
-    sub = {k: v for k, v in group.items() if k not in ("segments",)}
+    sub = {k: v for k, v in group.items() if k != "shard"}
     sub["params"] = [probe]
     try:
         return opt._fused_group(sub)

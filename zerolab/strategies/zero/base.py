@@ -60,7 +60,7 @@ from zerolab.buckets import MAX_IN_FLIGHT, bucket_cap, pack_buckets
 from zerolab.master import derived_weight
 from zerolab.accounting import StorageCounter
 from zerolab.models import place
-from zerolab.optim.segments import Segment
+from zerolab.optim.segments import FlatShard, Segment
 from zerolab.numerics import StepInfo
 from zerolab.schema import ZeroSettings
 from zerolab.strategies.base import PRECISION_MODE_SETTINGS, ZEROLAB_STEP_SETTINGS, OptimizerFactory, Strategy, \
@@ -208,8 +208,8 @@ class ZeroBase(ZeroPieces, ShardGrads, Strategy):
         with one all-reduce)."""
         return make_optimizer([
             {**{k: v for k, v in g.items() if k not in ("params", "names")}, "params": fg.pieces,
-             "segments": fg.segments, "n_tensors": len(g["params"]), "names": g["names"],
-             "allreduce": self._all_reduce, **self.precision.state_keys(), **fg.optimizer_keys()}
+             "shard": FlatShard(fg.segments, len(g["params"]), self._all_reduce), "names": g["names"],
+             **self.precision.state_keys(), **fg.optimizer_keys()}
             for g, fg in zip(param_groups, self.groups)])
 
     # ---- what a stage supplies (stages.py, stage3.py) ------------------------------------------
