@@ -592,3 +592,51 @@ def test_the_strategy_tables_list_every_registered_strategy():
     rows = set(re.findall(r"^\| `(\w+)` \|", (ROOT / "README.md").read_text(), re.M))
     assert rows == set(REGISTRY), (f"README's strategy table: missing {set(REGISTRY) - rows}, "
                                    f"unknown {rows - set(REGISTRY)}")
+
+
+# ---- what a new user reads first: every page reachable, one way to cite, one suite time ---------
+def test_the_readme_links_every_page():
+    """"Documentation by task" (or any README link) reaches every page of docs/ (index.md is the
+    README itself on the site)."""
+    _, prose = split_markdown((ROOT / "README.md").read_text())
+    linked = {m.group(1).partition("#")[0] for m in LINK.finditer(SPAN.sub(" ", prose))}
+    pages = {f"docs/{p.name}" for p in (ROOT / "docs").glob("*.md") if p.name != "index.md"}
+    assert pages <= linked, f"README.md links none of {sorted(pages - linked)}"
+
+
+ZERO_PAPER = re.compile(r"Rajbhandari\s+et\s+al\.?,?\s+(\d{4})")
+
+
+def test_the_zero_paper_is_cited_one_way():
+    """Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training Trillion Parameter Models":
+    arXiv:1910.02054 (2019), published at SC 2020. zerolab cites it by the arXiv year everywhere,
+    and the README gives the full reference once."""
+    found = {f"{p.relative_to(ROOT)}: {year}" for p in [*DOC_FILES, ROOT / "bench" / "RESULTS.md", *SOURCES]
+             for year in ZERO_PAPER.findall(p.read_text(errors="replace")) if year != "2019"}
+    assert not found, sorted(found)
+    readme = (ROOT / "README.md").read_text()
+    assert "ZeRO: Memory Optimizations Toward\nTraining Trillion Parameter Models" in readme or \
+        "ZeRO: Memory Optimizations Toward Training Trillion Parameter Models" in readme
+    assert "arXiv:1910.02054" in readme
+
+
+SUITE_TIME = re.compile(r"`make test`:? (?:took |takes )?(?:on this kind of machine \(2 cores\): )?"
+                        r"([\d.]+) min(?:utes)?", re.S)
+
+
+def test_the_readme_and_the_testing_page_state_one_suite_time_and_the_record_holds_it():
+    """README's Quick start and docs/testing.md's "How long they take" state one `make test` time
+    each, the same one, with its date; bench/RESULTS.md keeps every recorded run, that one too."""
+    readme = (ROOT / "README.md").read_text().split("\n## Quick start\n", 1)[1].split("\n## ", 1)[0]
+    testing = (ROOT / "docs" / "testing.md").read_text().split("\n## How long they take\n", 1)[1].split("\n## ", 1)[0]
+    results = (ROOT / "bench" / "RESULTS.md").read_text()
+    stated = []
+    for name, text in (("README.md", readme), ("docs/testing.md", testing)):
+        times = SUITE_TIME.findall(text)
+        assert len(times) == 1, f"{name}: {times}"
+        assert len(set(re.findall(r"20\d\d-\d\d-\d\d", text))) <= 2, f"{name} keeps a diary of dates"
+        assert "bench/RESULTS.md" in text, f"{name} does not point to the record"
+        stated.append(times[0])
+    assert stated[0] == stated[1], stated
+    record = results.split("\n## The test suite's times", 1)[1]
+    assert f"{stated[0]} min" in record, stated[0]
