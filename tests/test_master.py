@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from zerolab.errors import ConfigError
-from zerolab.master import MasterStorage, rebuild, round_to_bf16_, split_
+from zerolab.master import MasterStorage, rebuild, round_to_bf16_, split_, stand_in
 from zerolab.optim import build_optimizer
 from zerolab.optim.segments import FlatShard, Segment
-from zerolab.precision import MasterCopy, Precision, face
+from zerolab.precision import MasterCopy, Precision
 from zerolab.memory import predict, shape_from_params
 from zerolab.memory.cli import format_modes, mode_rows
 from zerolab.strategies import strategy_class
@@ -147,7 +147,7 @@ def _reference(name, kw, flat, steps, after=None):
 
 def _stored(name, kw, flat, steps, master="remainder", states=None, track=False):
     start = _start(flat)
-    faces = [face(p.shape, p.device) for p in start]
+    stand_ins = [stand_in(p.shape, p.device) for p in start]
     weights = [p.to(torch.bfloat16) for p in start]
     keys = {}  # where the test reads the storage back
     if master != "fp32":
@@ -155,19 +155,19 @@ def _stored(name, kw, flat, steps, master="remainder", states=None, track=False)
     if master == "remainder":
         keys["remainders"] = [torch.zeros(p.shape, dtype=torch.int16) for p in start]
     if master == "fp32":
-        faces = [torch.nn.Parameter(p.clone()) for p in start]
+        stand_ins = [torch.nn.Parameter(p.clone()) for p in start]
     group = {"state_dtype": states} if states else {}
     if master != "fp32":
-        group["master"] = MasterStorage(master, faces, keys["weights"], keys.get("remainders", []))
-    opt = build_optimizer(OptimConfig(name=name, **kw), _groups(faces, flat, group))
+        group["master"] = MasterStorage(master, stand_ins, keys["weights"], keys.get("remainders", []))
+    opt = build_optimizer(OptimConfig(name=name, **kw), _groups(stand_ins, flat, group))
     records = []
     for grads in _grads(flat, steps):
-        for p, g in zip(faces, grads):
+        for p, g in zip(stand_ins, grads):
             p.grad = g.clone()
         opt.track_updates = track
         opt.step()
         records += opt.pop_update_stats()
-    return faces, keys, opt, records
+    return stand_ins, keys, opt, records
 
 
 @pytest.mark.parametrize("flat", [False, True], ids=["whole", "flat"])
@@ -212,28 +212,28 @@ def test_a_lossy_mode_is_the_fp32_arithmetic_with_its_storage_rounded(name, mast
             _round_states(opt, params)
 
     ref, ref_opt = _reference(name, {}, flat, steps=8, after=after)
-    faces, keys, opt, _ = _stored(name, {}, flat, steps=8, master=master, states=states)
+    stand_ins, keys, opt, _ = _stored(name, {}, flat, steps=8, master=master, states=states)
     for i, want in enumerate(ref):
-        got = {"fp32": lambda: faces[i].detach(), "bf16": lambda: keys["weights"][i].float(),
+        got = {"fp32": lambda: stand_ins[i].detach(), "bf16": lambda: keys["weights"][i].float(),
                "remainder": lambda: rebuild(keys["weights"][i], keys["remainders"][i])}[master]()
         assert torch.equal(got, want.detach())
         for k, v in ref_opt.state[want].items():
             if k != "step":
-                stored = opt.state[faces[i]][k]
+                stored = opt.state[stand_ins[i]][k]
                 assert stored.dtype == (states or torch.float32) and torch.equal(stored.float(), v)
 
 
 def test_the_device_side_skip_leaves_a_stored_group_untouched():
-    faces, keys, opt, _ = _stored("adamw", {}, True, steps=2, states=torch.bfloat16)
+    stand_ins, keys, opt, _ = _stored("adamw", {}, True, steps=2, states=torch.bfloat16)
     assert opt.skips_on_device()  # AdamW's fused kernel runs on the fp32 pieces
     before = ([w.clone() for w in keys["weights"]], [r.clone() for r in keys["remainders"]],
-              {k: v.clone() for p in faces for k, v in opt.state[p].items()})
-    for p in faces:
+              {k: v.clone() for p in stand_ins for k, v in opt.state[p].items()})
+    for p in stand_ins:
         p.grad = torch.full(p.shape, 3.0)
     opt.step_unless(torch.tensor(True))
     assert all(torch.equal(a, b) for a, b in zip(before[0], keys["weights"]))
     assert all(torch.equal(a, b) for a, b in zip(before[1], keys["remainders"]))
-    after = {k: v for p in faces for k, v in opt.state[p].items()}
+    after = {k: v for p in stand_ins for k, v in opt.state[p].items()}
     assert all(torch.equal(before[2][k], after[k]) for k in after)
     _, _, lamb, _ = _stored("lamb", {}, True, steps=1)
     assert not lamb.skips_on_device()  # LAMB's composed path decides on the host
@@ -241,10 +241,10 @@ def test_the_device_side_skip_leaves_a_stored_group_untouched():
 
 def test_the_recorded_update_is_what_landed_in_the_storage():
     for master in ("remainder", "bf16"):
-        faces, keys, opt, _ = _stored("adamw", {}, True, steps=1, master=master)
+        stand_ins, keys, opt, _ = _stored("adamw", {}, True, steps=1, master=master)
         before = [rebuild(w, r) if master == "remainder" else w.float()
                   for w, r in zip(keys["weights"], keys.get("remainders", keys["weights"]))]
-        for p in faces:
+        for p in stand_ins:
             p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(5))
         opt.track_updates = True
         opt.step()

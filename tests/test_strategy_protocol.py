@@ -249,3 +249,42 @@ def test_the_documented_example_refuses_what_it_cannot_run(tmp_path, monkeypatch
     cfg = compose([*TINY, "strategy=ddp", "precision=bf16"])
     with pytest.raises(ConfigError, match="trains fp32 only"):
         strategy_class(name).check_config(cfg, 1)
+
+
+# ---- docs/writing-a-strategy.md is true to the code ------------------------------------------------
+NUMBERS = {n: i for i, n in enumerate("zero one two three four five six seven eight nine ten eleven twelve thirteen "
+                                      "fourteen fifteen sixteen seventeen eighteen nineteen twenty".split())}
+NUMBERS.update({f"twenty-{w}": 20 + i for w, i in NUMBERS.items() if 0 < i < 10})
+
+
+def test_the_writing_a_strategy_page_counts_and_names_the_protocol():
+    """Its protocol table lists the Strategy base class's public members, each once; the counts in
+    its prose are the table's; every metric it cites (`mem/...`) is one zerolab writes."""
+    from zerolab.accounting import CATEGORIES
+    from zerolab.strategies.base import Strategy
+
+    page = (ROOT / "docs" / "writing-a-strategy.md").read_text()
+    rows = re.findall(r"^\| (\w+) \| `(\w+)` \|", page.split("## The protocol")[1].split("\n## ")[0], re.M)
+    surface = sorted(n for n in dir(Strategy) if not n.startswith("_"))
+    assert sorted(m for _, m in rows) == surface
+    count, required = re.search(r"The base class has ([\w-]+) public members; a strategy must write (\w+) of them",
+                                page).groups()
+    assert (NUMBERS[count], NUMBERS[required]) == (len(surface), sum(kind == "required" for kind, _ in rows))
+    sources = "\n".join(p.read_text() for p in (ROOT / "zerolab").rglob("*.py"))
+    written = {f"mem/{c}_bytes" for c in CATEGORIES} | set(re.findall(r"\"(mem/\w+)\"", sources))
+    cited = set(re.findall(r"`(mem/\w+)`", page))
+    assert cited <= written, f"the page cites metrics zerolab never writes: {sorted(cited - written)}"
+
+
+def test_predict_memory_declares_every_keyword_its_caller_passes():
+    """Strategy.predict_memory's signature is what zerolab.memory passes it, keyword for keyword."""
+    import ast
+    import inspect
+
+    from zerolab.strategies.base import Strategy
+
+    tree = ast.parse((ROOT / "zerolab" / "memory" / "prediction.py").read_text())
+    (call,) = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and getattr(n.func, "attr", "") == "predict_memory"]
+    params = inspect.signature(Strategy.predict_memory).parameters
+    declared = {n for n, p in params.items() if p.kind == p.KEYWORD_ONLY}
+    assert {k.arg for k in call.keywords} == declared

@@ -123,6 +123,15 @@ def derive_weight_(master: torch.Tensor, weight: torch.Tensor, rounding: str) ->
         weight.copy_(master)
 
 
+def stand_in(shape, device) -> torch.nn.Parameter:
+    """An fp32 parameter of `shape` that holds no memory, standing in for a master stored elsewhere:
+    what the optimizer updates then (zerolab/optim/stored.py reads and writes the storage); it
+    carries the fp32 gradient and keys the optimizer state."""
+    p = torch.nn.Parameter(torch.zeros(1, dtype=torch.float32, device=device).expand(shape))
+    p.untyped_storage().resize_(0)  # (after wrapping: on fake tensors the parameter gets a storage of its own)
+    return p
+
+
 def _span(t: torch.Tensor, lo: int, hi: int | None) -> torch.Tensor:
     """Elements [lo, hi) of t's flat view; t itself (its shape) when they are all of it."""
     if lo == 0 and (hi is None or hi == t.numel()):
@@ -138,8 +147,8 @@ class MasterStorage:
       remainder  weights[i] (bf16, the model's weight) and remainders[i] (int16) hold it exactly
       bf16       weights[i] alone holds it (lossy: rounded to bf16 on every store)
 
-    masters[i] is what the optimizer updates: the master itself under fp32, a face (an fp32
-    tensor of the master's shape that holds no memory, zerolab.precision.face) otherwise. An entry
+    masters[i] is what the optimizer updates: the master itself under fp32, a stand-in (an fp32
+    parameter of the master's shape that holds no memory: stand_in) otherwise. An entry
     is a whole tensor (ddp) or a flat piece of a shard (zerolab's ZeRO); lo and hi select a span of
     its flat view, the whole entry in its own shape by default."""
 

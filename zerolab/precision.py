@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from zerolab.master import MasterStorage, derive_weight_
+from zerolab.master import MasterStorage, derive_weight_, stand_in
 from zerolab.schema import PrecisionConfig
 
 log = logging.getLogger(__name__)
@@ -154,19 +154,10 @@ class Precision:
         return UPDATE_DTYPES[self.name]
 
 
-def face(shape, device) -> torch.nn.Parameter:
-    """An fp32 parameter of `shape` that holds no memory: what the optimizer updates where the
-    master lives elsewhere (zerolab/optim/stored.py reads and writes the storage); it carries the
-    fp32 gradient and keys the optimizer state."""
-    p = torch.nn.Parameter(torch.zeros(1, dtype=torch.float32, device=device).expand(shape))
-    p.untyped_storage().resize_(0)  # (after wrapping: on fake tensors the parameter gets a storage of its own)
-    return p
-
-
 class MasterCopy:
     """FP32 master weights for unsharded strategies: the optimizer updates these, the model's
     16-bit weights are refreshed from them after every step. With precision.master=remainder or
-    bf16 the master is not a copy: the optimizer updates fp32 faces (face()) and writes the model's
+    bf16 the master is not a copy: the optimizer updates fp32 stand-ins (zerolab.master.stand_in) and writes the model's
     bf16 weights (and the int16 remainders) itself, through the MasterStorage groups() hands it."""
 
     def __init__(self, params: list[torch.nn.Parameter], precision: "Precision | None" = None):
@@ -176,7 +167,7 @@ class MasterCopy:
         if self.mode == "fp32":
             self.master = [torch.nn.Parameter(p.detach().float().clone()) for p in params]
         else:  # the master starts as the weight itself: remainder 0
-            self.master = [face(p.shape, p.device) for p in params]
+            self.master = [stand_in(p.shape, p.device) for p in params]
         remainders = [torch.zeros_like(p, dtype=torch.int16) for p in params] if self.mode == "remainder" else []
         self.storage = MasterStorage(self.mode, self.master, params if self.mode != "fp32" else [], remainders)
 

@@ -8,8 +8,8 @@ sets; absent, the step is zerolab's usual one):
                  back with its store()
   "state_dtype"  torch.bfloat16: the optimizer's per-element state (Adam's moments, a momentum
                  buffer) is stored in bf16 (lossy: rounded after every update)
-Where the master is stored elsewhere the params are "faces": fp32 tensors of the right shape that
-hold no memory (zerolab.precision.face), carrying the fp32 gradient and keying the state.
+Where the master is stored elsewhere the params are stand-ins: fp32 tensors of the right shape that
+hold no memory (zerolab.master.stand_in), carrying the fp32 gradient and keying the state.
 
 The math is the optimizer's own, in fp32, unchanged: each piece of the group is materialised as
 fp32 tensors (a view where the storage already is fp32, a rebuilt or upcast copy otherwise), the
@@ -171,7 +171,7 @@ def _run_unit(opt, group: dict, unit, steps0: dict, dtype: torch.dtype, record) 
     params, sub_params, master = group["params"], [], _storage(group)
     for i, c0, c1 in unit:
         if params[i].dtype != torch.float32:
-            raise ValueError(f"a stored param group computes in fp32; its params (or faces) must be fp32, "
+            raise ValueError(f"a stored param group computes in fp32; its params (or stand-ins) must be fp32, "
                              f"got {params[i].dtype}")
         t = master.fp32(i, c0, c1)
         t.grad = _span(params[i].grad, c0, c1, params[i].shape)

@@ -37,7 +37,7 @@ from zerolab.dist import DistContext
 from zerolab.errors import ConfigError
 from zerolab.numerics import StepInfo
 from zerolab.precision import Precision
-from zerolab.precision_modes import MODE_KEYS, lossy_settings
+from zerolab.precision_modes import MODE_KEYS, Mode, lossy_settings
 from zerolab.schema import Config, StrategySettings, settings_for
 from zerolab.strategies.transient import TransientPeak
 
@@ -235,7 +235,7 @@ class Strategy(abc.ABC):
 
     @classmethod
     def predict_memory(cls, pred, shape, *, world: int, precision: str, k: float, stage: int, bucket_mb: float,
-                       reduce_dtype: str, rank: int, ranks_per_node: int, settings: dict) -> None:
+                       reduce_dtype: str, rank: int, ranks_per_node: int, settings: dict, mode: Mode) -> None:
         """Add this strategy's bytes on rank `rank` of `world` to `pred` (zerolab.accounting's
         Prediction), term by term, each with the sentence that says where it comes from:
         pred.add(category, bytes, what), category one of zerolab.accounting.CATEGORIES or
@@ -244,7 +244,9 @@ class Strategy(abc.ABC):
         (zerolab.accounting.ModelShape); `k`: optimizer-state elements per parameter; `stage`,
         `bucket_mb`, `reduce_dtype`: the run's strategy.* settings, `settings` all of them as a dict
         ({} outside a run: the schema's defaults); `ranks_per_node`: the ranks' layout in nodes
-        (zerolab.topology). Every keyword is always passed;
+        (zerolab.topology); `mode`: how a bf16 run stores its master, optimizer state and gradient
+        shard (zerolab.precision_modes.Mode: precision.master, optim_states, grad_shard). Every
+        keyword is always passed (zerolab/memory/prediction.py);
         take the ones you use and `**_` for the rest. Raise zerolab.accounting.NotPredicted for
         settings the strategy cannot run, ValueError for other bad input."""
         raise NotImplementedError(f"strategy {cls.name} has no memory model (Strategy.predict_memory)")

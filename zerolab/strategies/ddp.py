@@ -70,7 +70,7 @@ class DDPStrategy(Strategy):
             init_sync=not self.ctx.rehearsal)
         self.ddp.register_comm_hook((self.comm, None), _counting_allreduce)
         self.master = MasterCopy(self.params, self.precision) if self.precision.master_weights else None
-        if self.master:  # the optimizer updates the master (fp32 copies, or faces: precision.master)
+        if self.master:  # the optimizer updates the master (fp32 copies, or stand-ins: precision.master)
             param_groups = self.master.groups(param_groups)
         self.optimizer = make_optimizer(param_groups)
         return self.ddp

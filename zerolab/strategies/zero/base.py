@@ -191,7 +191,7 @@ class ZeroBase(ZeroPieces, ShardGrads, Strategy):
 
     def _piece_grad(self, b: Bucket, piece: torch.Tensor) -> None:
         """The gradient of the shard's piece that holds bucket b's chunk: a buffer of its own."""
-        if piece.grad is None:  # (not zeros_like: a face's strides are all 0)
+        if piece.grad is None:  # (not zeros_like: a stand-in's strides are all 0)
             piece.grad = torch.zeros(piece.shape, dtype=piece.dtype, device=piece.device)
 
     def _shard_chunk(self, b: Bucket) -> torch.Tensor:
@@ -368,7 +368,7 @@ class ZeroBase(ZeroPieces, ShardGrads, Strategy):
         c = StorageCounter()
         c.add("params", (b.flat_params for b in self.buckets))
         c.add("grads", (b.flat_grads for b in self.buckets)).add("grads", self._all_grad_shards())
-        c.add("master", (piece for g in self.groups for piece in g.pieces))  # (faces hold nothing)
+        c.add("master", (piece for g in self.groups for piece in g.pieces))  # (stand-ins hold nothing)
         c.add("master", (r for g in self.groups for r in g.storage.remainders)).add_optimizer(self.optimizer)
         c.add("buffers", (b.comm_buf for b in self.buckets)).add("buffers", self.model.buffers())
         return c.result()

@@ -7,8 +7,8 @@ an int16 remainder (the master's low halves, zerolab/master.py): the pair is the
 for bit, rebuilt piece by piece inside the optimizer step and split again after it
 (zerolab/optim/stored.py), so the optimizer updates exactly what an fp32 master would, and the
 updated bf16 chunk is the all-gather's input in place. With master=bf16 the chunk alone is the
-master (lossy). The optimizer's params are then "faces" (fp32 shapes that hold no memory,
-zerolab.precision.face) carrying the fp32 gradient shard and keying the state.
+master (lossy). The optimizer's params are then stand-ins (fp32 shapes that hold no memory,
+zerolab.master.stand_in) carrying the fp32 gradient shard and keying the state.
 """
 from __future__ import annotations
 
@@ -19,9 +19,8 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
-from zerolab.master import MasterStorage
+from zerolab.master import MasterStorage, stand_in
 from zerolab.optim.segments import Segment
-from zerolab.precision import face
 
 
 @dataclass
@@ -34,7 +33,7 @@ class FlatGroup:
     names: list[str] = field(default_factory=list)
     # where each piece's fp32 master lives (zerolab/master.py): the piece itself, or under
     # precision.master=remainder|bf16 (module docstring) the bf16 weights that hold it (the pieces
-    # are then faces) and, for remainder, the int16 low halves
+    # are then stand-ins) and, for remainder, the int16 low halves
     storage: Optional[MasterStorage] = None
 
     def __post_init__(self):
@@ -55,7 +54,7 @@ class FlatGroup:
         their own (`own_buffer`). The remainder starts at 0: the master starts as the weight, as
         an fp32 master copied from the weights does."""
         if self.pieces[k] is None:
-            self.pieces[k] = face((size,), chunk.device)
+            self.pieces[k] = stand_in((size,), chunk.device)
             if self.storage.mode == "fp32":
                 n = len(self.pieces)
                 self.storage = MasterStorage(mode, self.pieces, [None] * n, [None] * n if mode == "remainder" else [])
