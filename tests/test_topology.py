@@ -51,3 +51,31 @@ def test_host_placed_categories_are_counted_apart():
     held = {"params": 10, "grads": 10, "master": 40, "optim_state": 80, "buffers": 1}
     assert on_host(held, {"params": "device", "master": "host", "optim_state": "host"}) == 120
     assert on_host(held, {}) == 0
+
+
+@pytest.mark.parametrize("kind", ["all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast", "reduce"])
+@pytest.mark.parametrize("n, per_node", [(2, 2), (3, 3), (8, 8), (8, 4)])
+def test_the_counter_and_the_time_model_read_one_volume_table(kind, n, per_node):
+    """zerolab.comm.VOLUMES is the one table: the counter records its `sent`, the time model puts its
+    `busiest` on the links (inside and across nodes together), and the two agree for every kind
+    but the rooted ones, where NCCL's bus bandwidth has the whole buffer on a link
+    (busBw = algBw) while the ranks send (n-1)/n of it on average (VOLUMES says why)."""
+    from zerolab.comm import VOLUMES
+    from zerolab.predict.hardware import DEVICES, LINKS
+    from zerolab.predict.topology import Topology as Network
+
+    S = 3 << 30  # large enough that NCCL's tuner picks the ring for an all-reduce across nodes, not the tree
+    counter = CommCounter(Topology(world=n, per_node=per_node))
+    counter.record(kind, S, 1)
+    sent = counter.pop_step()[kind]
+    network = Network(n, per_node, LINKS["nvlink4"], LINKS["ib-ndr"], DEVICES["h100"])
+    priced = network.price(kind, S, tuple(range(n)))
+    assert priced.algorithm == ("pairwise" if kind == "all_to_all" else "ring")
+    on_links = priced.intra_bytes + priced.inter_bytes
+    volume = VOLUMES[kind]
+    assert sent == volume.sent(S, n) == S * (2 if kind == "all_reduce" else 1) * (n - 1) / n
+    assert on_links == pytest.approx(volume.busiest(S, n), rel=1e-12)
+    if volume.rooted:
+        assert on_links == S and sent == S * (n - 1) / n
+    else:
+        assert on_links == pytest.approx(sent, rel=1e-12)

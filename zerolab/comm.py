@@ -1,4 +1,6 @@
-"""Communication accounting: bytes each rank sends per collective, per optimizer step, by link.
+"""Communication accounting: bytes each rank sends per collective, per optimizer step, by link;
+and the one table of what each collective sends (VOLUMES), which the time model prices too
+(zerolab/predict/topology.py).
 
 Counts use the bandwidth-optimal (ring) cost of each collective, the model the ZeRO paper's
 volume argument rests on (Rajbhandari et al. 2019, §7): for a buffer of S bytes over a group of
@@ -11,6 +13,7 @@ node when its group's ranks share one, across nodes otherwise.
 from __future__ import annotations
 
 from collections import defaultdict
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -18,7 +21,35 @@ import torch.distributed as dist
 
 from zerolab.topology import ACROSS, INSIDE, Topology
 
-_FACTOR = {"all_reduce": 2.0, "reduce_scatter": 1.0, "all_gather": 1.0, "broadcast": 1.0, "all_to_all": 1.0}
+
+@dataclass(frozen=True)
+class Volume:
+    """Bytes per rank of one collective of an S-byte buffer (the whole buffer: a reduce-scatter's
+    input, an all-gather's output) over n ranks, in the ring algorithms NCCL runs for large
+    messages and the ZeRO paper's volumes assume; two figures:
+      sent     what a rank sends, averaged over the group's ranks: the traffic on the wire over n.
+               The counter records it, so a step's figures add up to the step's traffic.
+      busiest  what the busiest rank's link carries: the bytes that set the collective's time,
+               which the time model prices; NCCL's bus-bandwidth factor (nccl-tests'
+               PERFORMANCE.md: busBw = algBw x busiest / S).
+    They differ for the rooted collectives only. A ring broadcast is a pipelined chain from the
+    root: every rank but the last forwards the whole buffer, so n - 1 links carry S each (NCCL:
+    busBw = algBw), while the n ranks send (n - 1)·S in all, S·(n - 1)/n each on average (which is
+    why broadcasts from every rank in turn, as torch's ZeroRedundancyOptimizer issues them, send
+    an all-gather's volume). A ring reduce is the same chain towards the root."""
+    passes: float  # times S·(n - 1)/n a rank sends: 2 for all-reduce (reduce-scatter, then all-gather), else 1
+    rooted: bool = False  # a chain from or to one root: its busiest link carries all of S
+
+    def sent(self, nbytes: float, n: int) -> float:
+        return self.passes * nbytes * (n - 1) / n if n > 1 else 0.0
+
+    def busiest(self, nbytes: float, n: int) -> float:
+        return float(nbytes) if self.rooted and n > 1 else self.sent(nbytes, n)
+
+
+VOLUMES = {"all_reduce": Volume(2.0), "reduce_scatter": Volume(1.0), "all_gather": Volume(1.0),
+           "all_to_all": Volume(1.0),  # pairwise: S/n to each other rank
+           "broadcast": Volume(1.0, rooted=True), "reduce": Volume(1.0, rooted=True)}
 
 
 class CommCounter:
@@ -40,7 +71,7 @@ class CommCounter:
             ranks = dist.get_process_group_ranks(group) if group is not None else range(self.topology.world)
         ranks = list(ranks)
         n = len(ranks)
-        sent = _FACTOR[op] * nbytes * (n - 1) / n if n > 1 else 0.0
+        sent = VOLUMES[op].sent(nbytes, n)
         self.step_bytes[op] += sent
         self.link_bytes[self.topology.link(ranks)] += sent
 

@@ -7,8 +7,9 @@ sharding) is priced on the intra-node link alone, a group with one rank per node
 group) on the network alone, and the world group on both.
 
 Ring (NCCL's default for large messages, and the algorithm the ZeRO paper's volumes assume). A
-group of n ranks on k nodes, m per node, sends per rank f x S bytes (S: the full buffer; f =
-2(n-1)/n for all-reduce, (n-1)/n for all-gather and reduce-scatter, 1 for broadcast and reduce).
+group of n ranks on k nodes, m per node, puts f x S bytes on its busiest rank's links (S: the full
+buffer; f = 2(n-1)/n for all-reduce, (n-1)/n for all-gather and reduce-scatter, 1 for broadcast
+and reduce: zerolab.comm.VOLUMES, the table the comm counter reads, whose `busiest` column this is).
 NCCL runs m rings (channels), each leaving a node through a different GPU's NIC, so of a rank's
 f x S, 1/m crosses nodes on its own NIC (the rings' k inter-node hops among their n) and the rest
 goes over its intra-node link. Both links carry their share at once; the slower sets the time,
@@ -30,12 +31,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from zerolab.comm import VOLUMES
 from zerolab.errors import ConfigError
 from zerolab.predict.hardware import BASE_LATENCY_S, Device, Link
 
-FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
-          "reduce_scatter": lambda n: (n - 1) / n, "broadcast": lambda n: 1.0, "reduce": lambda n: 1.0,
-          "all_to_all": lambda n: (n - 1) / n}
+# f of the module docstring: the busiest link's bytes per byte of the buffer
+FACTOR = {kind: (lambda n, v=v: v.busiest(1, n)) for kind, v in VOLUMES.items()}
 STEPS = {"all_reduce": lambda n: 2 * (n - 1), "all_to_all": lambda n: n - 1}  # others: n - 1
 
 
