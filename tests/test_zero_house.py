@@ -1,4 +1,5 @@
-"""The ZeRO family's house rules (zerolab/strategies/zero/), in the fast tier: a class per stage,
+"""The ZeRO family's house rules (zerolab/strategies/zero/), and one definition each of what it
+shares with the rest (the master's storage, the dtype map), in the fast tier: a class per stage,
 so no strategy module tests the stage number to choose behaviour more than a handful of times;
 the memory model beside the sharder, never read by it (the runtime imports from
 zerolab/strategies/zero/memory.py only the predict_ functions its classes' predict_memory calls;
@@ -95,3 +96,20 @@ def test_the_master_is_rounded_and_stored_in_one_place():
                 if used:
                     users[str(path.relative_to(ROOT))] = sorted(used)
     assert users == {}
+
+
+def test_one_precision_to_dtype_map():
+    """zerolab/precision.py's COMPUTE_DTYPES and DTYPE_NAMES are the map: no module of the time
+    model (zerolab/predict/) writes its own table of torch dtypes or precision names."""
+    from zerolab.precision import COMPUTE_BYTES, COMPUTE_DTYPES, DTYPE_NAMES
+
+    assert {DTYPE_NAMES[d] for d in COMPUTE_DTYPES.values()} == {"fp32", "bf16", "fp16"}
+    assert COMPUTE_BYTES == {p: d.itemsize for p, d in COMPUTE_DTYPES.items()}
+    own = []
+    for path in (ROOT / "zerolab" / "predict").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            keys = node.keys if isinstance(node, ast.Dict) else []
+            if any(isinstance(k, ast.Constant) and k.value == "bf16_pure" for k in keys) or \
+                    any(isinstance(k, ast.Attribute) and k.attr in ("bfloat16", "float16") for k in keys):
+                own.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert own == [], own

@@ -22,13 +22,16 @@ from zerolab.schema import PrecisionConfig
 
 log = logging.getLogger(__name__)
 
-_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "bf16_pure": torch.bfloat16}
+# The one precision-to-dtype map: each precision's compute dtype (the model's weights and
+# gradients), and the short name of each dtype (the time model's rates and records use them).
+COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "bf16_pure": torch.bfloat16}
+DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 # Bytes per element of each mode's compute dtype (the model's weights and gradients): the one
 # precision-to-bytes table, read by the memory ledger and the report.
-COMPUTE_BYTES = {name: dtype.itemsize for name, dtype in _DTYPES.items()}
+COMPUTE_BYTES = {name: dtype.itemsize for name, dtype in COMPUTE_DTYPES.items()}
 # The dtype the optimizer updates, and so keeps its state in: fp32 master weights (or the fp32
 # weights themselves), except bf16_pure, whose point is to update the 16-bit weights in place.
-UPDATE_DTYPES = {name: torch.bfloat16 if name == "bf16_pure" else torch.float32 for name in _DTYPES}
+UPDATE_DTYPES = {name: torch.bfloat16 if name == "bf16_pure" else torch.float32 for name in COMPUTE_DTYPES}
 MIXED = ("bf16", "fp16")  # precisions that keep an fp32 master copy beside 16-bit weights
 
 
@@ -138,7 +141,7 @@ class Precision:
         rounding = cfg.weight_rounding
         if rounding == "auto":
             rounding = "nearest_away" if cfg.master == "remainder" else "nearest_even"
-        return cls(cfg.name, _DTYPES[cfg.name], cfg.name in MIXED,
+        return cls(cfg.name, COMPUTE_DTYPES[cfg.name], cfg.name in MIXED,
                    LossScaler(cfg, enabled=cfg.name == "fp16", device=device),
                    cfg.master, cfg.optim_states, cfg.grad_shard, rounding)
 

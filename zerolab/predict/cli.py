@@ -11,10 +11,10 @@ from zerolab.errors import ConfigError
 from zerolab.models import build_model
 from zerolab.predict.hardware import DEVICES, LINKS, OVERRIDES, apply_overrides, device, link
 from zerolab.predict.model import Prediction, predict
+from zerolab.precision import COMPUTE_DTYPES, DTYPE_NAMES
 from zerolab.predict.topology import Topology
 from zerolab.profile import flops_per_token
 
-DTYPE_OF_PRECISION = {"fp32": "fp32", "bf16": "bf16", "bf16_pure": "bf16", "fp16": "fp16"}
 DEFAULT_GPUS_PER_NODE = 8
 
 
@@ -75,4 +75,4 @@ def model_flops_per_token(cfg) -> int:
 def priced(r, topo: Topology) -> Prediction:
     """A rehearsal's recorded step (zerolab.rehearsal.Rehearsal: record, tokens_per_rank,
     flops_per_token, precision) priced on `topo` (zerolab.predict.model)."""
-    return predict(r.record, topo, r.tokens_per_rank, r.flops_per_token, DTYPE_OF_PRECISION[r.precision])
+    return predict(r.record, topo, r.tokens_per_rank, r.flops_per_token, DTYPE_NAMES[COMPUTE_DTYPES[r.precision]])

@@ -27,6 +27,8 @@ import torch
 from torch.utils import flop_counter as fc
 from torch.utils._pytree import tree_leaves
 
+from zerolab.precision import DTYPE_NAMES
+
 aten = torch.ops.aten
 _CPU_FLASH = aten._scaled_dot_product_flash_attention_for_cpu
 _CPU_FLASH_BACKWARD = aten._scaled_dot_product_flash_attention_for_cpu_backward
@@ -135,7 +137,6 @@ def memory_bound(func) -> bool:
     return base.startswith(_MEMORY_BOUND_PREFIXES) or base.lstrip("_").startswith(_MEMORY_BOUND_PREFIXES)
 
 
-DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
 def cost(func, args, kwargs, out) -> tuple[float, int, int, bool, str]:
@@ -165,5 +166,5 @@ def cost(func, args, kwargs, out) -> tuple[float, int, int, bool, str]:
     flops = float(formula(*la, **lk, out_val=out))
     if any(_arg(args, kwargs, i, n) for i, n in sch.causal):
         flops /= 2  # a flash kernel skips the masked half (module docstring)
-    dtype = next((DTYPES.get(local(t).dtype, "fp32") for t in ins if local(t).is_floating_point()), "fp32")
+    dtype = next((DTYPE_NAMES.get(local(t).dtype, "fp32") for t in ins if local(t).is_floating_point()), "fp32")
     return flops, moved, kernels, True, dtype
