@@ -39,7 +39,7 @@ sys.path.insert(0, str(ROOT))
 from zerolab.predict.hardware import DEVICES, GPU_ACHIEVABLE, LINKS  # noqa: E402
 from zerolab.predict.model import predict  # noqa: E402
 from zerolab.predict.record import Op, StepRecord  # noqa: E402
-from zerolab.predict.topology import Topology  # noqa: E402
+from zerolab.predict.topology import Network  # noqa: E402
 from zerolab.rehearsal import rehearse  # noqa: E402
 
 LLAMA3_8B = {"model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
@@ -84,7 +84,7 @@ def rehearsed(config: Path, world: int, extra: list[str]):
 
 def tokens(r, dev, achievable: float, world: int) -> float:
     dev = dataclasses.replace(dev, achievable=achievable)
-    topo = Topology(world, 8, LINKS[dev.intra], LINKS[dev.inter], dev)
+    topo = Network(world, 8, LINKS[dev.intra], LINKS[dev.inter], dev)
     return predict(r.record, topo, r.tokens_per_rank, r.flops_per_token, "bf16").tokens_per_s_per_device
 
 

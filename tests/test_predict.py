@@ -17,7 +17,7 @@ from zerolab.predict.model import op_seconds, predict
 from zerolab.predict.record import Collective, Op, StepRecord, Sync, Wait
 from zerolab.predict.report import format_prediction
 from zerolab.predict.timeline import replay
-from zerolab.predict.topology import Topology
+from zerolab.predict.topology import Network
 
 # A device and links with round figures, so that every expected time below is a hand calculation.
 DEV = Device("test", "a round device", {"bf16": 100e12, "fp32": 10e12}, 1e12, 80 * 10**9, "made up", achievable=1.0)
@@ -62,8 +62,8 @@ def test_an_op_reads_its_inputs_and_writes_its_outputs_once():
 
 
 # ---- collectives on links --------------------------------------------------------------------------
-def topo(world: int, gpn: int = 8) -> Topology:
-    return Topology(world, gpn, FAST, SLOW, DEV)
+def topo(world: int, gpn: int = 8) -> Network:
+    return Network(world, gpn, FAST, SLOW, DEV)
 
 
 def test_ring_all_gather_across_two_nodes_by_hand():
@@ -272,8 +272,8 @@ def test_the_cpu_entry_is_this_machines_calibration(tmp_path, monkeypatch):
     fused, plain = op("_fused_adamw_", nbytes=4e8, kernels=0), op("add", nbytes=4e8, kernels=0)
     assert op_seconds(fused, cpu) == 4e8 / 4e9 and op_seconds(plain, cpu) == 4e8 / 10e9
     assert cpu_device(7, str(path)).flops["fp32"] == 50e9 / 3  # more ranks than measured: the largest count
-    t = Topology(2, 2, LINKS["pcie4"], LINKS["pcie4"], cpu)
+    t = Network(2, 2, LINKS["pcie4"], LINKS["pcie4"], cpu)
     assert math.isclose(t.price("all_reduce", 1e8, (0, 1)).seconds, 1e-4 + 1e8 / 1e9, rel_tol=REL)
     assert math.isclose(t.price("all_gather", 1e8, (0, 1)).seconds, 1e8 / 4e8, rel_tol=REL)
-    four = Topology(4, 4, LINKS["pcie4"], LINKS["pcie4"], cpu).price("all_reduce", 1e8, (0, 1, 2, 3))
+    four = Network(4, 4, LINKS["pcie4"], LINKS["pcie4"], cpu).price("all_reduce", 1e8, (0, 1, 2, 3))
     assert math.isclose(four.seconds, 2e-4 + 1e8 / 5e8, rel_tol=REL)

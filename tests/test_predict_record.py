@@ -9,7 +9,7 @@ import logging
 import pytest
 
 from zerolab.predict.record import Op, Sync, Wait
-from zerolab.predict.topology import FACTOR, Topology
+from zerolab.predict.topology import FACTOR, Network
 from zerolab.predict.hardware import DEVICES, LINKS
 from zerolab.rehearsal import cli_main, rehearse
 
@@ -137,7 +137,7 @@ def test_volumes_per_rank_are_the_papers(strategy, psis):
     expected = psis * r.n_params * 4 * (world - 1) / world
     slack = 4 * world * (len(r.record.collectives) + 1) * 2  # padding per bucket and the norm, both ways
     assert expected <= ring_volume(r) <= expected + slack, (strategy, ring_volume(r), expected)
-    topo = Topology(world, 8, LINKS["nvlink4"], LINKS["ib-ndr"], DEVICES["h100"])
+    topo = Network(world, 8, LINKS["nvlink4"], LINKS["ib-ndr"], DEVICES["h100"])
     priced = [topo.price(c.kind, c.bytes, c.ranks) for c in r.record.collectives]
     inside, across = sum(p.intra_bytes for p in priced), sum(p.inter_bytes for p in priced)
     assert topo.nodes == 8 and across == pytest.approx((inside + across) / 8, rel=1e-12)
@@ -197,7 +197,7 @@ def test_the_dry_runs_nodes_are_the_predictions(capsys):
     hsdp = json.loads(capsys.readouterr().out)["comm"]
     assert 0 < hsdp["comm_inside_bytes"] < hsdp["comm_bytes"]
     r = recorded("zero3", 16, "fp32", "strategy.shard_within=node", "dist.ranks_per_node=8")
-    topo = Topology(16, 8, LINKS["nvlink4"], LINKS["ib-ndr"], DEVICES["h100"])
+    topo = Network(16, 8, LINKS["nvlink4"], LINKS["ib-ndr"], DEVICES["h100"])
     groups = {(c.kind, c.ranks) for c in r.record.collectives}
     assert {("reduce_scatter", tuple(range(8))), ("all_gather", tuple(range(8))), ("all_reduce", (0, 8))} <= groups
     for kind, ranks in groups:

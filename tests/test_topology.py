@@ -62,7 +62,7 @@ def test_the_counter_and_the_time_model_read_one_volume_table(kind, n, per_node)
     (busBw = algBw) while the ranks send (n-1)/n of it on average (VOLUMES says why)."""
     from zerolab.comm import VOLUMES
     from zerolab.predict.hardware import DEVICES, LINKS
-    from zerolab.predict.topology import Topology as Network
+    from zerolab.predict.topology import Network
 
     S = 3 << 30  # large enough that NCCL's tuner picks the ring for an all-reduce across nodes, not the tree
     counter = CommCounter(Topology(world=n, per_node=per_node))
@@ -79,3 +79,21 @@ def test_the_counter_and_the_time_model_read_one_volume_table(kind, n, per_node)
         assert on_links == S and sent == S * (n - 1) / n
     else:
         assert on_links == pytest.approx(sent, rel=1e-12)
+
+
+def test_one_topology_lays_out_the_ranks_for_the_counter_and_the_time_model():
+    """zerolab.topology.Topology is the one class that says which node a rank is on: the time
+    model's Network holds one (a world smaller than a node fills part of one node)."""
+    import ast
+
+    from conftest import ROOT
+    from zerolab.predict.hardware import DEVICES, LINKS
+    from zerolab.predict.topology import Network
+
+    classes = [f"{p.relative_to(ROOT)}" for p in (ROOT / "zerolab").rglob("*.py")
+               for n in ast.walk(ast.parse(p.read_text())) if isinstance(n, ast.ClassDef) and n.name == "Topology"]
+    assert classes == ["zerolab/topology.py"]
+    net = Network(16, 8, LINKS["nvlink4"], LINKS["ib-ndr"], DEVICES["h100"])
+    assert net.layout == Topology(world=16, per_node=8) and net.nodes == 2
+    assert net.placement(tuple(net.layout.cross_ranks(3))) == (2, 2, 1)
+    assert Network(2, 8, LINKS["nvlink4"], LINKS["ib-ndr"], DEVICES["h100"]).layout == Topology(world=2, per_node=2)

@@ -12,7 +12,7 @@ from zerolab.models import build_model
 from zerolab.predict.hardware import DEVICES, LINKS, OVERRIDES, apply_overrides, device, link
 from zerolab.predict.model import Prediction, predict
 from zerolab.precision import COMPUTE_DTYPES, DTYPE_NAMES
-from zerolab.predict.topology import Topology
+from zerolab.predict.topology import Network
 from zerolab.profile import flops_per_token
 
 DEFAULT_GPUS_PER_NODE = 8
@@ -38,7 +38,7 @@ def arguments(hardware: str, gpus_per_node: int | None = None, hw: tuple = ()) -
                               intra_link="", inter_link="", hw=list(hw))
 
 
-def topology(args, world: int, ranks_per_node: int = 0) -> Topology:
+def topology(args, world: int, ranks_per_node: int = 0) -> Network:
     """The topology the arguments name, for `world` ranks; `ranks_per_node`: the job's
     dist.ranks_per_node (0: not set), the node size when --gpus-per-node is not given.
     ConfigError: unknown names, a node size that does not divide the world, two that disagree."""
@@ -49,16 +49,16 @@ def topology(args, world: int, ranks_per_node: int = 0) -> Topology:
             raise ConfigError("--hardware cpu is this machine: all ranks on one host, gloo between them "
                               "(--gpus-per-node and the links describe GPU clusters)")
         dev, _, _ = apply_overrides(dev, LINKS["pcie4"], LINKS["pcie4"], args.hw)
-        return Topology(world, max(world, 1), LINKS["pcie4"], LINKS["pcie4"], dev)
+        return Network(world, max(world, 1), LINKS["pcie4"], LINKS["pcie4"], dev)
     if given is not None and ranks_per_node and given != ranks_per_node:
         raise ConfigError(f"--gpus-per-node {given} and dist.ranks_per_node={ranks_per_node} disagree: the dry run's "
                           "nodes are the prediction's; give one of them, or the same figure to both")
     intra, inter = link(args.intra_link or dev.intra), link(args.inter_link or dev.inter)
     dev, intra, inter = apply_overrides(dev, intra, inter, args.hw)
-    return Topology(world, given or ranks_per_node or DEFAULT_GPUS_PER_NODE, intra, inter, dev)
+    return Network(world, given or ranks_per_node or DEFAULT_GPUS_PER_NODE, intra, inter, dev)
 
 
-def ranks_per_node(topo: Topology) -> int:
+def ranks_per_node(topo: Network) -> int:
     """The job's dist.ranks_per_node for a prediction on `topo` (0 on this machine: one host), so
     that the dry run's process group has the prediction's nodes (node groups, bytes by link)."""
     return 0 if topo.device.host_sync else min(topo.gpus_per_node, topo.world)
@@ -72,7 +72,7 @@ def model_flops_per_token(cfg) -> int:
     return flops_per_token(model, cfg.model.block_size)["flops_per_token"]
 
 
-def priced(r, topo: Topology) -> Prediction:
+def priced(r, topo: Network) -> Prediction:
     """A rehearsal's recorded step (zerolab.rehearsal.Rehearsal: record, tokens_per_rank,
     flops_per_token, precision) priced on `topo` (zerolab.predict.model)."""
     return predict(r.record, topo, r.tokens_per_rank, r.flops_per_token, DTYPE_NAMES[COMPUTE_DTYPES[r.precision]])

@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field
 from zerolab.predict.hardware import Device
 from zerolab.predict.record import Op, StepRecord
 from zerolab.predict.timeline import replay
-from zerolab.predict.topology import Topology
+from zerolab.predict.topology import Network
 
 NOT_MODELLED = ("not modelled: the host's own time on a GPU (it is assumed to run ahead of the device), "
                 "on a GPU, compute slowed by communication running beside it, kernels fused or tuned differently "
@@ -49,7 +49,7 @@ def op_seconds(op: Op, dev: Device) -> float:
     return max(compute, op.bytes / bandwidth) + dev.op_overhead_s * op.kernels
 
 
-def predict(record: StepRecord, topo: Topology, tokens_per_rank: int, flops_per_token: float,
+def predict(record: StepRecord, topo: Network, tokens_per_rank: int, flops_per_token: float,
             dtype: str) -> Prediction:
     """The step of `record` (one rank's) on `topo`'s device and links."""
     dev = topo.device
@@ -64,7 +64,7 @@ def predict(record: StepRecord, topo: Topology, tokens_per_rank: int, flops_per_
                       _unpriced(record, dev, r.step_s))
 
 
-def _collectives(record: StepRecord, priced: dict, topo: Topology, exposed: dict) -> list[dict]:
+def _collectives(record: StepRecord, priced: dict, topo: Network, exposed: dict) -> list[dict]:
     rows: dict = defaultdict(lambda: {"count": 0, "bytes": 0, "intra_bytes": 0.0, "inter_bytes": 0.0,
                                       "seconds": 0.0, "intra_s": 0.0, "inter_s": 0.0, "algorithms": set()})
     for c in record.collectives:
@@ -91,7 +91,7 @@ def _unpriced(record: StepRecord, dev: Device, step_s: float) -> list:
     return [(name, n, time_of[name] / step_s if step_s else 0.0) for name, n in record.unpriced.most_common()]
 
 
-def assumptions(dev: Device, topo: Topology, dtype: str) -> list[str]:
+def assumptions(dev: Device, topo: Network, dtype: str) -> list[str]:
     a = dev.achievable
     out = [f"device: {dev.label}: {dev.peak(dtype) / 1e12:g} TFLOP/s {dtype} peak, "
            f"{dev.memory_bandwidth / 1e9:g} GB/s memory ({dev.source})",

@@ -1,7 +1,8 @@
-"""Where the ranks are and what a collective costs on the links it crosses.
+"""What a collective costs on the links it crosses: the Network of a priced run.
 
-The topology is explicit: `gpus_per_node` ranks per node (rank r on node r // gpus_per_node), one
-link inside a node (NVLink or PCIe, per GPU) and one across nodes (a NIC per GPU). A collective is
+Where the ranks are is zerolab.topology's Topology, the layout the comm counter and the sharders
+use (node-major: rank r on node r // ranks per node); a Network adds the links, one inside a node
+(NVLink or PCIe, per GPU) and one across nodes (a NIC per GPU), and the device. A collective is
 priced on its own group's ranks, so a group inside one node (a node group of hierarchical
 sharding) is priced on the intra-node link alone, a group with one rank per node (the cross-node
 group) on the network alone, and the world group on both.
@@ -29,11 +30,12 @@ On a CPU (gloo) the figures are this machine's, measured per kind and group size
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from zerolab.comm import VOLUMES
 from zerolab.errors import ConfigError
 from zerolab.predict.hardware import BASE_LATENCY_S, Device, Link
+from zerolab.topology import Topology
 
 # f of the module docstring: the busiest link's bytes per byte of the buffer
 FACTOR = {kind: (lambda n, v=v: v.busiest(1, n)) for kind, v in VOLUMES.items()}
@@ -49,12 +51,13 @@ class Priced:
 
 
 @dataclass(frozen=True)
-class Topology:
+class Network:
     world: int
-    gpus_per_node: int
+    gpus_per_node: int  # a node's GPUs; a world smaller than a node fills part of one
     intra: Link
     inter: Link
     device: Device
+    layout: Topology = field(init=False)  # the ranks in nodes, as the comm counter lays them out
 
     def __post_init__(self):
         g, w = self.gpus_per_node, self.world
@@ -63,16 +66,18 @@ class Topology:
         if w > g and w % g:
             raise ConfigError(f"--gpus-per-node {g} does not divide --world {w}: nodes hold the same number of "
                               f"ranks; use a world that is a multiple of {g}, or the GPUs per node of the cluster")
+        object.__setattr__(self, "layout", Topology(max(w, 1), max(1, min(w, g))))
 
     @property
     def nodes(self) -> int:
-        return max(1, math.ceil(self.world / self.gpus_per_node))
+        return self.layout.nodes
 
     def placement(self, ranks: tuple) -> tuple[int, int, int]:
         """(n, k nodes spanned, m ranks per node at most) of a group."""
         per_node: dict[int, int] = {}
         for r in ranks:
-            per_node[r // self.gpus_per_node] = per_node.get(r // self.gpus_per_node, 0) + 1
+            node = self.layout.node_of(r)
+            per_node[node] = per_node.get(node, 0) + 1
         return len(ranks), len(per_node), max(per_node.values())
 
     def price(self, kind: str, nbytes: int, ranks: tuple) -> Priced:
