@@ -46,10 +46,33 @@ def test_a_profiled_run_is_predicted_from_its_own_directory(tmp_path, monkeypatc
     assert "## The time model beside the profiled steps" in text and "predicted.png" in text
     assert (tmp_path / "report" / "predicted.png").stat().st_size > 0
     monkeypatch.setenv("ZEROLAB_CPU_CALIBRATION", str(tmp_path / "none.json"))  # an uncalibrated machine:
-    report = build_report([str(run)], str(tmp_path / "report2"), predict="auto")  # said, not failed
+    report = build_report([str(run)], str(tmp_path / "report2"), predict="calibrated")  # said, not failed
     assert report["predicted"] == [] and "python -m zerolab.predict calibrate" in report["predicted_note"]
     with pytest.raises(ConfigError, match="python -m zerolab.predict calibrate"):
         build_report([str(run)], str(tmp_path / "report3"), predict="cpu")
+
+
+@pytest.mark.slow
+def test_the_default_report_calibrates_a_fresh_machine_once(tmp_path, monkeypatch):
+    """`compare`'s default (auto) on a machine without a calibration measures it (the real
+    calibration: 1, 2 and 3 ranks, about a minute), writes it where `--hardware cpu` reads it, says
+    so in the report, and lays the prediction beside the profiled parts; a second report reuses it."""
+    path = tmp_path / "fresh" / "cpu-calibration.json"
+    monkeypatch.setenv("ZEROLAB_CPU_CALIBRATION", str(path))
+    run = tmp_path / "run"
+    assert run_ranks(run, 2, "model=gpt_tiny", "strategy=ddp", "data.micro_batch=2", "trainer.max_steps=4",
+                     "profile.steps=[3]", "trainer.eval_every=0", "run.save_model=false") == [0, 0]
+    report = build_report([str(run)], str(tmp_path / "report"), predict="auto")
+    assert path.exists() and set(json.loads(path.read_text())["ranks"]) == {"1", "2", "3"}
+    assert report["predicted"] and report["predicted"][0]["hardware"] == "cpu"
+    said = report["predicted_table"]
+    assert said.startswith("This machine had no calibration for the time model: it was measured now, once"), said
+    assert str(path) in said and "| step | predicted ÷ measured |" in said
+    text = (tmp_path / "report" / "report.md").read_text()
+    assert "## The time model beside the profiled steps" in text and "it was measured now, once" in text
+    mtime = path.stat().st_mtime_ns
+    again = build_report([str(run)], str(tmp_path / "report2"), predict="auto")
+    assert path.stat().st_mtime_ns == mtime and "measured now" not in again["predicted_table"]
 
 
 def test_a_directory_without_a_run_is_refused(tmp_path):

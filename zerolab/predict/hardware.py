@@ -101,9 +101,11 @@ OVERRIDES = {"bf16_flops": "flops.bf16", "fp16_flops": "flops.fp16", "fp32_flops
 
 
 def calibration_path() -> str:
-    """Where `python -m zerolab.predict calibrate` writes this machine's figures (and `cpu` reads them)."""
-    return os.environ.get("ZEROLAB_CPU_CALIBRATION",
-                          os.path.join(os.path.expanduser("~"), ".cache", "zerolab", "cpu-calibration.json"))
+    """Where `python -m zerolab.predict calibrate` writes this machine's figures (and `cpu` reads them):
+    ZEROLAB_CPU_CALIBRATION, else cpu-calibration.json in zerolab's cache (ZEROLAB_CACHE, as
+    run.cache_dir, else ~/.cache/zerolab)."""
+    cache = os.environ.get("ZEROLAB_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "zerolab")
+    return os.environ.get("ZEROLAB_CPU_CALIBRATION", os.path.join(cache, "cpu-calibration.json"))
 
 
 def cpu_device(ranks: int, path: str = "") -> Device:
