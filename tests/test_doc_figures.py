@@ -140,3 +140,33 @@ def test_the_readme_lists_the_shipped_shapes():
     readme = (ROOT / "README.md").read_text()
     listed = readme.split("is a shape zerolab ships", 1)[1].split("(`zerolab/models/shapes/README.md`)", 1)[0]
     assert sorted(re.findall(r"`([\w.-]+)`", listed)) == shipped_shapes()
+
+
+def howto_lines() -> list[tuple[str, int, list[str]]]:
+    """(page, line, argv) of each `python -m zerolab memory|lr|optim-state|plan` line in the code
+    blocks of README.md and docs/ that holds no placeholder and rehearses nothing (plan's --exact
+    and --hardware rehearse a dry run per row: README's are run by tests/test_readme_runs.py)."""
+    out = []
+    for page in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        text = page.read_text()
+        for m in re.finditer(r"^```[^\n]*\n(.*?)^```", text, re.S | re.M):
+            start = text.count("\n", 0, m.start()) + 2
+            for n, line in enumerate(m.group(1).replace("\\\n", " ").splitlines(), start):
+                found = re.match(r"^(?:\.venv/bin/)?python -m zerolab ((?:memory|lr|optim-state|plan) .*)$", line)
+                if not found or any(mark in line for mark in ("<", "...", "--exact", "--hardware")):
+                    continue
+                out.append((page.name, n, shlex.split(found.group(1), comments=True)))
+    return out
+
+
+HOWTO = howto_lines()
+
+
+def test_the_pages_how_to_lines_run_as_written(tmp_path):
+    """Each such line exits 0 in this process, from an empty directory (what --plot writes goes there)."""
+    assert len(HOWTO) >= 10, HOWTO
+    for page, line, argv in HOWTO:
+        try:
+            zerolab_output(argv, tmp_path)
+        except (AssertionError, SystemExit) as err:
+            raise AssertionError(f"{page}:{line}: python -m zerolab {' '.join(argv)}: {err!r}") from None
