@@ -1,0 +1,92 @@
+"""README.md's command blocks, run as written, from a directory laid out as a fresh clone is (the
+repository's .venv, train.py, conf/ and launch/ as links; nothing downloaded: HF_HUB_OFFLINE=1).
+
+Every ```bash block of README.md is either run here or named in ELSEWHERE with the test that runs
+it (a fast-tier test keeps that list whole: a new block must say where it runs). Run here: "Will
+it fit?" and "Will it be fast?" (the dry runs and plans of the shipped `llama2-7b` shape at 8 and
+64 ranks, on fake tensors) and "Running"'s lines that need no Slurm cluster. Each line must exit 0,
+and the dry runs must print the figures README's tables state beside them (model states and
+peak per rank at 64 ranks), so the tables cannot drift from what the commands say."""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT, base_env, run_process
+
+# README headings whose bash block is run by another test (or cannot run inside the suite), and why.
+ELSEWHERE = {
+    "Quick start": "`make run` is the default job (about 4 minutes; tests/test_sweep.py runs the same sweep at "
+                   "gpt_tiny), `make test` is this suite",
+    "Your model": "tests/test_first_use_runs.py runs these lines as written",
+}
+RUN_HERE = ("Will it fit?", "Will it be fast?", "Running")
+SLURM = re.compile(r"^sbatch |launcher=slurm")  # tests/test_slurm.py runs sbatch and the submitit sweep
+
+
+def readme_blocks() -> dict[str, list[str]]:
+    """{heading: the shell lines of the bash blocks under it, comments cut}."""
+    text = (ROOT / "README.md").read_text()
+    out = {}
+    for section in re.split(r"\n## ", text)[1:]:
+        heading, _, body = section.partition("\n")
+        lines = [line.split("  #")[0].strip() for block in re.findall(r"```bash\n(.*?)```", body, re.S)
+                 for line in block.splitlines() if line.strip()]
+        if lines:
+            out[heading.strip()] = lines
+    return out
+
+
+def test_every_readme_block_is_run_by_a_test():
+    """Fast tier (nothing is run): each block's heading is run here or says which test runs it."""
+    blocks = readme_blocks()
+    assert set(blocks) == set(RUN_HERE) | set(ELSEWHERE), sorted(blocks)
+    assert all(not SLURM.search(line) for heading in RUN_HERE[:2] for line in blocks[heading])
+
+
+@pytest.fixture
+def clone(tmp_path) -> Path:
+    for name in (".venv", "train.py", "conf", "launch", "zerolab", "hydra_plugins"):
+        (tmp_path / name).symlink_to(ROOT / name)
+    return tmp_path
+
+
+def run_as_written(command: str, cwd: Path) -> str:
+    proc = run_process(["bash", "-c", command], timeout=540, cwd=cwd,
+                       env=base_env(HF_HUB_OFFLINE="1", PATH=f"{ROOT / '.venv' / 'bin'}:{base_env()['PATH']}"))
+    assert proc.returncode == 0, f"{command}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return proc.stdout
+
+
+def table_row(heading: str, first_cell: str) -> list[str]:
+    """The cells of README's table row under `heading` whose first cell is `first_cell`."""
+    body = (ROOT / "README.md").read_text().split(f"\n## {heading}\n", 1)[1].split("\n## ", 1)[0]
+    row = next(line for line in body.splitlines() if line.startswith(f"| {first_cell} |"))
+    return [c.strip() for c in row.strip("|").split("|")]
+
+
+@pytest.mark.slow
+def test_will_it_fit_and_will_it_be_fast_run_as_written(clone):
+    fit, fast = readme_blocks()["Will it fit?"], readme_blocks()["Will it be fast?"]
+    assert all("model.config=llama2-7b" in line for line in fit + fast)  # a shape every clone has
+    outputs = [run_as_written(line, clone) for line in fit + fast]
+    # the dry run at 64 ranks says what README's table says at 64 GPUs (GB, as printed)
+    row = table_row("Will it fit?", "64")
+    states, peak = row[4], row[5].split()[0]
+    for out in (outputs[0], outputs[2]):
+        assert "6,738,415,616 parameters" in out  # Llama 2 7B, as its publisher counts it
+        assert re.search(rf"^model states\s+{re.escape(states)} GB\s+{re.escape(states)} GB\s+\+0$", out, re.M), out
+        assert re.search(rf"^peak\s+{re.escape(peak)} GB", out, re.M), out
+    assert "tokens/s" in outputs[2] and "tokens/s" in outputs[3]  # the time model priced them
+
+
+@pytest.mark.slow
+def test_the_running_lines_without_slurm_run_as_written(clone):
+    lines = [line for line in readme_blocks()["Running"] if not SLURM.search(line)]
+    assert [line.split()[0] for line in lines] == [".venv/bin/python", ".venv/bin/torchrun", "launch/torchrun.sh",
+                                                   ".venv/bin/python"], lines  # what this test expects to start
+    for line in lines:
+        run_as_written(line, clone)
+    assert len(list((clone / "runs").rglob("summary.json"))) == 3  # three trainings, each finished
