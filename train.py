@@ -48,7 +48,11 @@ def _exit(err: BaseException, every_rank_alike: bool = False) -> None:
                                                                       "timestamp": str(int(time.time()))}}}, fh)
         except OSError:
             pass  # the message is printed all the same; only torchrun's summary lacks it
-    exit_for(err, every_rank_alike=every_rank_alike)
+    # A rank that got a stop signal does not wait for another (zerolab.errors.exit_for). Read without
+    # importing: before the training code is imported no handler exists, and nothing was received.
+    preempt = sys.modules.get("zerolab.run.preempt")
+    signalled = preempt is not None and preempt.StopRequest.signal_name is not None
+    exit_for(err, every_rank_alike=every_rank_alike, signalled=signalled)
 
 
 @hydra.main(config_path="conf", config_name="config", version_base="1.3")

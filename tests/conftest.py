@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -153,6 +154,16 @@ class Output:
         while (chunk := self._next(deadline, "end of the output")) is not None:
             self.chunks.append(chunk)
         return self.text
+
+
+def assert_stopped_in_time(text: str, *, stops: int = 1) -> None:
+    """A job stopped by a signal ended by its ranks' own hand: every worker exited before its launcher's
+    grace period ran out (torchrun says "forcefully exiting via 9" when it had to SIGKILL one; Slurm's
+    KillWait would show as a killed step), and the stop was said `stops` time(s)."""
+    assert "forcefully exiting" not in text and "Unable to shutdown process" not in text, text[-6000:]
+    # (launch/torchrun.sh tees each rank's lines behind torchrun's "[default<r>]:")
+    said = re.findall(r"^(?:\[default\d+\]:)?zerolab: stopped after step", text, re.MULTILINE)
+    assert len(said) == stops, text[-6000:]
 
 
 def base_env(**extra) -> dict:

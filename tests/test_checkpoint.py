@@ -321,10 +321,49 @@ def test_resigned_copy_is_refused_by_its_counters_and_resume_falls_back(tmp_path
                                               r".*: the schedule is at another step"):
         verify(str(copy))
     assert _next_lr(meta, 6) != meta["lr_schedule"]["next_lr"]  # cosine decay: the two steps' lr differ
+    # Every counter made to agree, the LR schedule's next value recomputed too: but the run that wrote
+    # it (fp32, trainer.nonfinite=stop) stops at a non-finite gradient, it never skips an update.
+    forged_lr = {**meta["lr_schedule"], "next_lr": _next_lr(meta, 6)}
+    assert meta["config"]["precision"]["name"] == "fp32" and meta["config"]["trainer"]["nonfinite"] == "stop"
+    shutil.rmtree(copy)
+    shutil.copytree(real, copy)
+    _resign(copy, 6, skipped_updates=2, lr_schedule=forged_lr)
+    with pytest.raises(CheckpointError, match=r"field 'skipped_updates' is 2, but the run that wrote it "
+                                              r"\(precision=fp32, trainer.nonfinite=stop\) cannot skip an update"):
+        verify(str(copy))
+    # What such a run can hold: updates skipped before it resumed (under settings that skip), or any
+    # under trainer.nonfinite=skip. The rule reads the run's own settings, nothing else.
+    skipping = {**meta["config"], "trainer": {**meta["config"]["trainer"], "nonfinite": "skip"}}
+    for edit in ({"skipped_updates_before": 2}, {"config": skipping}):
+        shutil.rmtree(copy)
+        shutil.copytree(real, copy)
+        _resign(copy, 6, skipped_updates=2, lr_schedule=forged_lr, **edit)
+        assert verify(str(copy))["skipped_updates"] == 2
+    _resign(copy, 6, skipped_updates=2, skipped_updates_before=3, lr_schedule=forged_lr)
+    with pytest.raises(CheckpointError, match=r"field 'skipped_updates_before' is 3, expected an integer from 0 to "
+                                              r"skipped_updates \(2\)"):
+        verify(str(copy))
     run = tmp_path / "resumed"
     run_ranks(run, 2, *TINY, "trainer.max_steps=4", f"checkpoint.dir={ck}", "checkpoint.resume=auto")
     out = rank_log(run)
     assert "[step_00000006]" in out and f"falling back to {real}" in out and "resumed at step 4" in out, out[-3000:]
+
+
+def test_skips_before_a_resume_carry_over_to_a_run_that_cannot_skip(tmp_path):
+    """An update skipped under trainer.nonfinite=skip (an inf gradient at step 2), then the run resumed
+    with the default trainer.nonfinite=stop: its later checkpoint counts that skip as one from before
+    it started (skipped_updates_before), so the check that a stopping run skips nothing accepts it."""
+    from zerolab.checkpoint import verify
+
+    run = tmp_path / "run"
+    run_ranks(run, 2, *TINY, "trainer.max_steps=2", "checkpoint.every=2", "trainer.nonfinite=skip",
+              "trainer.max_skipped_share=1", "fault.inf_grad_step=2")
+    first = verify(str(run / "checkpoints" / "step_00000002"))
+    assert (first["skipped_updates"], first["skipped_updates_before"]) == (1, 0), first
+    run_ranks(run, 2, *TINY, "trainer.max_steps=4", "checkpoint.every=2", "checkpoint.resume=auto")
+    last = verify(str(run / "checkpoints" / "step_00000004"))
+    assert last["config"]["trainer"]["nonfinite"] == "stop"
+    assert (last["skipped_updates"], last["skipped_updates_before"]) == (1, 1), last
 
 
 def test_every_checkpoint_corrupt_is_one_paragraph_with_a_way_on(tmp_path, ddp_run):

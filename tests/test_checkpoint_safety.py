@@ -214,6 +214,33 @@ def test_disk_full_advice_counts_the_end_of_the_run_and_following_it_finishes(tm
         assert "final_write_error" not in json.loads((run / "summary.json").read_text())
 
 
+def test_first_save_on_a_full_disk_counts_the_checkpoints_a_fresh_run_keeps(tmp_path):
+    """No checkpoint exists yet when the first save (step 5) does not fit: the run must start again,
+    and a fresh run keeps checkpoints as it goes (with checkpoint.keep_last=2, one beside the one it
+    writes), not just the one it writes. The paragraph says to start again with run.overwrite=true
+    (the same command, or checkpoint.resume=auto, is refused on the run directory it left), and
+    counts room for both; followed literally, the run trains all its steps and writes every final
+    file."""
+    with _Tmpfs(tmp_path / "small", 700 * 1024) as small:  # metrics fit, one checkpoint (~1.5 MB) does not
+        run = small / "run"
+        common = [*TINY, "trainer.max_steps=20", "checkpoint.every=5", f"run.dir={run}"]
+        proc = run_train(run, 2, *common, check=False)
+        out = proc.stdout + proc.stderr
+        assert proc.returncode == 1, out[-4000:]
+        message = [line for line in out.splitlines() if line.startswith("zerolab: error:")]
+        assert len(message) == 1 and "saving the checkpoint of step 5 failed" in message[0], out[-6000:]
+        assert f"No earlier checkpoint exists: start again with run.overwrite=true run.dir={run}" in message[0]
+        found = re.search(r"free at least (\d+) bytes on the filesystem mounted at (\S+) \(the rest of the run writes "
+                          r"up to (\d+) bytes there: ([^;]*);", message[0])
+        assert found and "2 checkpoint(s) beyond those kept" in found.group(4), message[0]
+        _grow(small, int(found.group(1)))  # the advice, as written
+        run_train(run, 2, *common, "run.overwrite=true")
+        assert [r["step"] for r in read_metrics(run) if "loss" in r] == list(range(1, 21))
+        for name in ("model.safetensors", "eval_logits.safetensors", "grad_noise.safetensors", "summary.json"):
+            assert (run / name).exists(), name
+        assert "final_write_error" not in json.loads((run / "summary.json").read_text())
+
+
 def test_metrics_on_a_full_disk_stop_every_rank_in_one_paragraph(tmp_path):
     """The run directory on a 100 kB tmpfs, no checkpoints: the first write that does not fit is a
     metrics.jsonl append. Under torchrun: exit 1, one paragraph said once (what was written, what

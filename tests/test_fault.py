@@ -58,8 +58,8 @@ def test_hung_rank_ends_job_naming_it(tmp_path):
     # after it named the rank that stopped (zerolab.run.fault.stop_now)
     assert proc.returncode == 1 and re.search(r"Root Cause[\s\S]*exitcode\s*:\s*1 ", out), out[-6000:]
     assert "rank 1 fails before step 3 (fault.mode=hang)" in out
-    # Rank 1 is alive (its heartbeat moves) but still in step 2 while rank 0 waits in step 3.
-    assert "RankStopped" in out and "stopped: rank 1 in step 2 (" in out and "fell behind" in out
+    # Rank 1 is alive (its heartbeat moves) but never began step 3, in which rank 0 waits.
+    assert "RankStopped" in out and "stopped: rank 1 after step 2, before step 3 began: fell behind" in out, out[-6000:]
 
 
 @pytest.mark.parametrize("mode", ["exit", "raise"])
@@ -72,6 +72,24 @@ def test_dead_rank_without_restarts_ends_job_naming_it(tmp_path, mode):
     assert f"rank 1 fails before step 3 (fault.mode={mode})" in out
     # torchrun's summary names the first failure; if rank 0 saw the broken collective first, ours does.
     assert "rank      : 1 (local_rank: 1)" in out.split("Root Cause")[-1] or "stopped: rank 1" in out
+
+
+def test_dead_rank_of_four_is_named_once_as_of_the_step_it_finished(tmp_path):
+    """Four ranks, rank 2 exits before step 3 (after step 2 is done): the three survivors each find a
+    collective broken and judge at once, but the job says one verdict (the first posted to the
+    board), naming rank 2 alone, "after step 2" in the words of the fault's own message ("fails
+    before step 3"); the other survivors say only that they stop too."""
+    cmd = [*TORCHRUN, "--standalone", "--nproc_per_node=4", str(ROOT / "train.py"), f"run.dir={tmp_path / 'run'}",
+           *COMMON, TIMEOUT, "fault.kill_rank=2", "fault.at_step=3", "fault.mode=exit"]
+    proc = run_process(cmd, timeout=300)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 1 and "rank 2 fails before step 3 (fault.mode=exit)" in out, out[-6000:]
+    verdicts = re.findall(r"^RankStopped: (.*)$", out, re.MULTILINE)
+    assert len(verdicts) == 1, out[-6000:]
+    stopped = verdicts[0].split("stopped: ", 1)[1].split(". A rank that dies", 1)[0]
+    assert re.fullmatch(r"rank 2 after step 2, before step 3 began: exited \[pid \d+ on \S+\]", stopped), verdicts[0]
+    quiet = re.findall(r"^zerolab: rank (\d) stops too \(rank (\d) named the rank that stopped\)$", out, re.MULTILINE)
+    assert all(r != "2" and by != "2" for r, by in quiet) and len(quiet) <= 2, out[-6000:]
 
 
 def test_watchdog_signals_only_the_process_that_posted():

@@ -81,9 +81,9 @@ def test_dtensor_ops_are_recorded_as_what_dtensor_runs():
 
     from zerolab import dist as zdist
     from zerolab.predict.record import Collective, Recorder, StepRecord, _OpMode
-    from zerolab.rehearsal import _join
+    from zerolab.rehearsal.fake import join_fake_world
 
-    ctx = _join(3, 0)
+    ctx = join_fake_world(3, 0)
     try:
         mesh = init_device_mesh("cpu", (3,))
         rec = Recorder(strategy=None, model=None)

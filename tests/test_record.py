@@ -117,3 +117,22 @@ def test_a_cut_that_dies_before_its_rename_leaves_the_old_record(tmp_path):
     record.cut_back(str(run), 2)
     assert not stale.exists()
     assert [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()] == [1, 2]
+
+
+@pytest.mark.parametrize("keep, every, max_steps, resume, kept, expected", [
+    # the first save of a fresh run fails (nothing kept): with keep_last=2 the rerun holds one kept
+    # checkpoint beside the one it writes, so two need room, not one
+    (2, 5, 20, 0, 0, 2),
+    (2, 5, 20, 5, 1, 1),  # resumed from the one kept: one more beside it at a time
+    (3, 1, 10, 2, 1, 2),  # keep_last=3 keeps 2 while it writes the third
+    (2, 5, 20, 15, 1, 1),  # one save left (step 20)
+    (1, 1, 4, 0, 0, 2),  # keep_last=1 still keeps the newest good one while it writes
+    (0, 5, 20, 5, 1, 3),  # keep_last=0 keeps every save: 10, 15, 20
+    (2, 0, 20, 0, 0, 0),  # checkpoint.every=0: no saves
+    (5, 10, 20, 0, 0, 2),  # only two saves in the whole run
+])
+def test_room_for_the_checkpoints_the_rest_of_a_run_keeps(keep, every, max_steps, resume, kept, expected):
+    from zerolab.checkpoint.room import saves_beyond_kept
+
+    cfg = compose([f"checkpoint.keep_last={keep}", f"checkpoint.every={every}", f"trainer.max_steps={max_steps}"])
+    assert saves_beyond_kept(cfg, resume, kept) == expected

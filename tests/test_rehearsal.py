@@ -19,7 +19,8 @@ import torch
 
 from conftest import run_python, run_ranks
 from zerolab.accounting import MODEL_STATES
-from zerolab.rehearsal import _RehearsalMode, cli_main, format_rehearsal, rehearse
+from zerolab.rehearsal import cli_main, format_rehearsal, rehearse
+from zerolab.rehearsal.fake import RehearsalMode
 
 TINY = ["model=gpt_tiny", "data.micro_batch=2", "optim=adamw"]
 SHARDERS = ["ddp", "zero1", "zero2", "zero3", "fsdp"]
@@ -87,7 +88,7 @@ def test_deepspeed_is_not_rehearsed_and_the_ledger_is_shown(capsys):
 def test_host_reads_have_one_answer_each():
     """False for a flag, 1 for an integer, 1.0 for a float (the module docstring says why none of
     them changes what is allocated)."""
-    with _RehearsalMode():
+    with RehearsalMode():
         t = torch.ones(3)
         assert t.sum().item() == 1.0 and isinstance(t.sum().item(), float)
         assert bool((t > 5).any()) is False

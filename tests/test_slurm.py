@@ -23,8 +23,8 @@ import pytest
 
 import torch
 
-from conftest import (ROOT, Output, assert_same_weights, base_env, load_weights, missing, read_metrics, run_process,
-                      run_train)
+from conftest import (ROOT, Output, assert_same_weights, assert_stopped_in_time, base_env, load_weights, missing,
+                      read_metrics, run_process, run_train)
 
 pytestmark = pytest.mark.slow  # every test here starts processes (see conftest: tiers)
 
@@ -269,6 +269,8 @@ def test_usr1_warning_saves_requeues_and_resumes(cluster, tmp_path):
         second = Output(fifo).rest(timeout=240)  # attempt 2: the requeued start opens it again
         sbatch.wait(timeout=120)
     assert "zerolab: preempted" in first, said(first)
+    # Every rank exits by itself once saved (none waits out torchrun's grace period for a second signal)
+    assert_stopped_in_time(first)
     saved = int(re.search(r"stopped after step (\d+) of 12 on SIGTERM", first).group(1))
     assert f"resumed at step {saved}" in second and "zerolab: completed" in second, said(second)
     assert (run / "status").read_text().strip() == "completed"

@@ -68,7 +68,7 @@ def launch_rank() -> int:
 WAIT_FOR_LAUNCHER_S = 60.0
 
 
-def exit_for(err: BaseException, every_rank_alike: bool = False) -> None:
+def exit_for(err: BaseException, every_rank_alike: bool = False, signalled: bool = False) -> None:
     """Exit for an explained failure (ZerolabError, zerolab.config.ConfigError), said once per job.
 
     `every_rank_alike`: every rank meets this failure the same way: before the ranks can talk (a
@@ -77,20 +77,26 @@ def exit_for(err: BaseException, every_rank_alike: bool = False) -> None:
     nothing and wait for their launcher to stop them, which it does once rank 0 has exited
     (torchrun, srun --kill-on-bad-exit), then exit with the same code: leaving first would make the
     launcher stop the job, rank 0 perhaps before its message was out, and a rank the launcher stops
-    before it exits would show the launcher's signal instead of the error's code."""
+    before it exits would show the launcher's signal instead of the error's code.
+
+    `signalled`: this rank got its stop signal already (zerolab.run.preempt: a preemption, or the
+    launcher stopping the job). A launcher signals each worker once (torchrun's shutdown sends one
+    SIGTERM, then SIGKILLs after --shutdown-timeout): a rank that waited for a second would wait
+    out that whole grace period and die by SIGKILL. It exits at once instead; the stop it got is
+    the one the wait is for."""
     quiet = every_rank_alike and launch_rank() != 0
     code = report(err, quiet=quiet)
-    if quiet:
+    if quiet and not signalled:
         stop = {signal.SIGTERM, signal.SIGINT, signal.SIGHUP}
         signal.pthread_sigmask(signal.SIG_BLOCK, stop)  # delivered to sigtimedwait, not to a handler
         signal.sigtimedwait(stop, WAIT_FOR_LAUNCHER_S)
         sys.stdout.flush()
         os._exit(code)
-    # This rank has said why it stops and exits with that code. A launcher that saw another rank
-    # exit first sends the rest a SIGTERM; Python's finalization resets its handlers to the
-    # default action, so a SIGTERM arriving there would turn this rank's code into -15 (measured:
-    # 3 ranks stopping together on a preemption, one seen as 75, two as -15). An ignored signal
-    # stays ignored through finalization. A rank that hangs on the way out is still SIGKILLed.
+    # This rank has said why it stops (or rank 0 has) and exits with that code. A launcher that saw
+    # another rank exit first sends the rest a SIGTERM; Python's finalization resets its handlers to
+    # the default action, so a SIGTERM arriving there would turn this rank's code into -15 (3 ranks
+    # stopping together on a preemption showed 75, -15, -15). An ignored signal stays ignored
+    # through finalization. A rank that hangs on the way out is still SIGKILLed.
     for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1):
         signal.signal(sig, signal.SIG_IGN)
     sys.exit(code)

@@ -49,6 +49,9 @@ class Checkpointer:
         self.cfg, self.ctx, self.layout, self.model = cfg, ctx, layout, model
         self.run_dir, self.dir = os.path.abspath(run_dir), checkpoint_dir(cfg, run_dir)
         self.last_saved: str | None = None  # the newest checkpoint this run wrote
+        # Updates skipped before this run started (those of the checkpoint it resumed from): a run
+        # whose settings cannot skip one adds none to it (format._validate_skips checks).
+        self.skipped_before = 0
 
     # ---- save ----------------------------------------------------------------------------------
     def save(self, step: int, strategy, schedule, sampler) -> str:
@@ -139,7 +142,10 @@ class Checkpointer:
             what = getattr(err, "strerror", None) or f"{type(err).__name__}: {err}"
             fix = f"check that {self.dir} is writable and has space"
         intact = (f"The previous checkpoint {prev} is intact: continue from it with checkpoint.resume=auto (or "
-                  f"checkpoint.resume={prev} with another checkpoint.dir)" if prev else "No earlier checkpoint exists")
+                  f"checkpoint.resume={prev} with another checkpoint.dir)" if prev else
+                  f"No earlier checkpoint exists: start again with run.overwrite=true run.dir={self.run_dir} (the "
+                  "run directory holds this run's record, so the same command, or checkpoint.resume=auto, is "
+                  "refused)")
         return (f"rank {self.ctx.rank}: saving the checkpoint of step {step} failed writing {where}: {what}. "
                 f"The unfinished save was removed. To fix: {fix}. {intact}.")
 
@@ -149,11 +155,11 @@ class Checkpointer:
         keep = self.cfg.checkpoint.keep_last
         held = max(keep - 1, 1) if keep > 0 else len(kept)
         resume_at = room.step_of(prev) if prev else 0
-        saves = 1 if keep > 0 else max(room.saves_left(self.cfg, resume_at), 1)
         # A checkpoint of this run on this disk (with a margin for what a save writes beside it), or
         # before the first one an estimate from the model's size.
         need = bytes_of(prev) + room.SAVE_MARGIN_BYTES if prev else room.checkpoint_estimate(self.layout)
-        rest = room.rest_of_run(self.cfg, self.layout, self.run_dir, self.dir, resume_at, need, saves)
+        rest = room.rest_of_run(self.cfg, self.layout, self.run_dir, self.dir, resume_at, need, len(kept))
+        elsewhere = room.saves_beyond_kept(self.cfg, resume_at, 0)  # an empty checkpoint.dir, resumed from prev
         mount = room.mount_point(self.dir)
         tmp = os.path.join(self.dir, f".tmp-step_{step:08d}")  # removed before the error is raised
         freed = bytes_of(tmp) if os.path.isdir(tmp) else 0
@@ -167,9 +173,9 @@ class Checkpointer:
         fix = (room.free_advice(rest) or f"free space on the filesystem mounted at {mount}") + (
             f" ({self.dir} holds only what must be kept" + (f"; the run directory {self.run_dir} is on the same "
                                                             "filesystem)" if shared else ")"))
-        fix += (f", or point checkpoint.dir at a filesystem with room for {held + saves} checkpoints "
-                f"({(held + saves) * need} bytes)" + (" and leave the run directory's filesystem the room its end "
-                                                      "needs" if shared else ""))
+        fix += (f", or point checkpoint.dir at a filesystem with room for {elsewhere} checkpoints "
+                f"({elsewhere * need} bytes)" + (" and leave the run directory's filesystem the room its end "
+                                                 "needs" if shared else ""))
         return what, fix
 
     def _agree(self, failures: list, tmp: str) -> None:
@@ -212,7 +218,8 @@ class Checkpointer:
             "optimizer_scalars": scalars,
             # the steps whose update was skipped (a non-finite gradient norm, an fp16 overflow): with the
             # optimizer's count of updates they add up to the step (format.validate_meta checks it)
-            **({"skipped_updates": step - int(count)} if count is not None else {}),
+            **({"skipped_updates": step - int(count), "skipped_updates_before": self.skipped_before}
+               if count is not None else {}),
             **self.layout, "pieces": pieces,
             "files": {r["file"]: {"rank": r["rank"], "bytes": r["bytes"], "sha256": r["sha256"]} for r in reports},
         }
@@ -249,6 +256,10 @@ class Checkpointer:
         except CheckpointError as err:
             raise _on_every_rank(err)
         step = int(meta["step"])
+        # The steps the restored optimizer did not count (the skipped updates; every step before an
+        # import, whose optimizer starts afresh at 0): the base of this run's own skipped_updates.
+        count = meta["optimizer_scalars"].get("step", {}).get("value")
+        self.skipped_before = step - int(count) if isinstance(count, (int, float)) else 0
         schedule.resume_from(meta["lr_schedule"])  # re-derives the peak lr if the global batch changed
         self._note_differences(meta, schedule, sampler)
 

@@ -225,7 +225,8 @@ def _validate_counters(meta: dict, bad, is_int) -> None:
     """Every counter meta.json holds against the step it claims: the optimizer's count of updates
     plus the updates skipped (a non-finite gradient norm, an fp16 overflow) is the step; the fp16
     loss scaler counts no more skips than that, and no more clean steps than there were steps;
-    the LR schedule gives its recorded next lr at this step."""
+    the LR schedule gives its recorded next lr at this step; and the run's own settings allow the
+    updates it says it skipped."""
     step, scalars = meta["step"], meta["optimizer_scalars"]
     count = scalars["step"].get("value") if isinstance(scalars.get("step"), dict) else None
     skipped = meta.get("skipped_updates")
@@ -243,6 +244,36 @@ def _validate_counters(meta: dict, bad, is_int) -> None:
         if key in scaler and not (is_int(scaler[key]) and scaler[key] <= most):
             bad("loss_scaler", f"has {key}={scaler[key]!r}, more than the {most} the checkpoint's step allows")
     _validate_lr(meta, bad)
+    if skipped is not None:  # last: the counters agree with each other, now with the run's settings
+        _validate_skips(meta, skipped, bad, is_int)
+
+
+def _skips_possible(config: dict) -> "bool | None":
+    """Whether a run with this config (meta.json's "config") can skip an update: only fp16's loss
+    scaler (an overflow) and trainer.nonfinite=skip do; every other run stops at a non-finite
+    gradient norm instead. None when the config does not say."""
+    precision = (config.get("precision") or {}).get("name") if isinstance(config, dict) else None
+    nonfinite = (config.get("trainer") or {}).get("nonfinite") if isinstance(config, dict) else None
+    if not isinstance(precision, str) or not isinstance(nonfinite, str):
+        return None
+    return precision == "fp16" or nonfinite == "skip"
+
+
+def _validate_skips(meta: dict, skipped: int, bad, is_int) -> None:
+    """The skipped updates a checkpoint counts (skipped_updates) against the settings of the run that
+    wrote it: skipped_updates_before were counted when that run started (0, or those of the
+    checkpoint it resumed from, written under other settings perhaps), and a run that cannot skip
+    adds none. A checkpoint of another step relabelled, with its counters made to add up, is
+    refused here."""
+    before = meta.get("skipped_updates_before", 0)  # checkpoints older than the key: none before
+    if not (is_int(before) and before <= skipped):
+        bad("skipped_updates_before", f"is {before!r}, expected an integer from 0 to skipped_updates ({skipped})")
+    if _skips_possible(meta.get("config")) is False and skipped != before:
+        cfg = meta["config"]
+        bad("skipped_updates", f"is {skipped}, but the run that wrote it (precision={cfg['precision']['name']}, "
+                               "trainer.nonfinite=stop) cannot skip an update: it stops at a non-finite gradient "
+                               f"instead, and {before} were skipped before it started. The counters do not belong "
+                               "to this checkpoint (a copy of another step's, relabelled?)")
 
 
 def _validate_lr(meta: dict, bad) -> None:

@@ -98,6 +98,21 @@ def saves_left(cfg, step: int) -> int:
     return len({s for s in range(step + 1, last + 1) if every and (s % every == 0 or s == last)})
 
 
+def saves_beyond_kept(cfg, step: int, kept: int) -> int:
+    """How many checkpoints, beyond the `kept` ones on disk now, the rest of a run resumed at `step`
+    (or started afresh at 0) needs room for at once. Before each save the oldest are removed down to
+    the newest max(K-1, 1) (checkpoint.keep_last=K; zerolab.checkpoint.store.make_room), so the disk
+    holds at most min(that, what exists by then) + 1 while a save writes; with K=0 every save stays.
+    A run with no checkpoint yet needs room for the ones it keeps as well as the one it writes."""
+    keep, saves = cfg.checkpoint.keep_last, saves_left(cfg, step)
+    if not saves:
+        return 0
+    if keep <= 0:
+        return saves
+    held = max(keep - 1, 1)
+    return max(min(held, kept + saves - 1) + 1 - kept, 0)
+
+
 def describe(sizes: dict[str, int]) -> str:
     return ", ".join(f"{name}: {n}" for name, n in sizes.items())
 
@@ -111,15 +126,12 @@ def checkpoint_estimate(layout: dict) -> int:
 
 
 def rest_of_run(cfg, layout: dict, run_dir: str, ckpt_dir: str, resume_step: int, ckpt_bytes: int,
-                saves: Optional[int] = None) -> list[tuple[str, int, Optional[int], dict]]:
+                kept: int) -> list[tuple[str, int, Optional[int], dict]]:
     """(mount point, bytes the rest of a run resumed at `resume_step` writes there, bytes free
     there, those bytes by what) for the checkpoint directory's filesystem (first) and the run
     directory's, one entry when they are the same. `ckpt_bytes`: what one checkpoint takes;
-    `saves`: how many checkpoints need room beyond those kept (default: one with
-    checkpoint.keep_last > 0, every save still to come with 0, none with checkpoint.every=0)."""
-    if saves is None:
-        keep, every = cfg.checkpoint.keep_last, cfg.checkpoint.every
-        saves = (1 if keep > 0 else max(saves_left(cfg, resume_step), 1)) if every else 0
+    `kept`: the checkpoints on disk now (saves_beyond_kept counts the room the rest needs)."""
+    saves = saves_beyond_kept(cfg, resume_step, kept)
     parts_of: dict[str, dict] = {mount_point(ckpt_dir): {}}
     if saves:
         parts_of[mount_point(ckpt_dir)][f"{saves} checkpoint(s) beyond those kept"] = saves * ckpt_bytes

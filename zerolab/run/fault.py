@@ -31,6 +31,7 @@ import atexit
 import datetime
 import logging
 import os
+import re
 import signal
 import socket
 import sys
@@ -53,7 +54,25 @@ class InjectedFault(RuntimeError):
 
 
 class RankStopped(RuntimeError):
-    """A collective failed because another rank stopped; the message names that rank."""
+    """A collective failed because another rank stopped; the message names that rank. Said once per
+    job: `said_by` is the rank whose verdict this is when another rank posted it first (then this
+    rank says only that it stops too)."""
+
+    said_by: "int | None" = None
+    rank: "int | None" = None
+
+
+def position(step: "int | None", phase: str) -> str:
+    """Where a rank is, in metrics.jsonl's step numbers (`step`: the loop's 0-based index)."""
+    if step is None or step < 0:
+        return "before its first step"
+    if phase == DONE:
+        return f"after step {step + 1}, before step {step + 2} began"
+    return f"in step {step + 1} ({phase})"
+
+
+DONE = "done"  # the phase a rank posts once its step is over (Instruments.advance)
+VERDICT = "verdict"  # the board's key for the job's one verdict on who stopped (first rank to post wins)
 
 
 def restart_count() -> int:
@@ -125,7 +144,12 @@ def stop_now(err: BaseException) -> None:
     seconds or wait for another timeout, and nothing is left to save: the job ends now."""
     if debug_enabled():
         traceback.print_exception(err)
-    print(f"{type(err).__name__}: {err}", file=sys.stderr, flush=True)
+    said_by = getattr(err, "said_by", None)
+    if said_by is not None:  # another rank said the verdict: one line here, not the paragraph again
+        print(f"zerolab: rank {err.rank} stops too (rank {said_by} named the rank that stopped)",
+              file=sys.stderr, flush=True)
+    else:
+        print(f"{type(err).__name__}: {err}", file=sys.stderr, flush=True)
     sys.stdout.flush()
     os._exit(1)
 
@@ -243,7 +267,7 @@ class ProgressBoard:
         self.store = None
 
     def _where(self) -> str:
-        return "before its first step" if self.step < 0 else f"in step {self.step + 1} ({self.phase})"
+        return position(self.step, self.phase)
 
     def at(self, step: int, phase: str) -> None:
         """This rank entered `phase` of `step` (the loop's 0-based index; one small store write)."""
@@ -283,22 +307,50 @@ class ProgressBoard:
     def blame(self, err: BaseException) -> None:
         """Raise RankStopped naming the ranks that stopped, if any; otherwise return. A frozen
         (SIGSTOPped) rank on this host is killed, so that the launcher does not wait its grace
-        period for it."""
+        period for it. Every survivor judges at once, and the first verdict posted to the board is
+        the job's: a rank that finds one posted stops quietly (RankStopped.said_by)."""
         if self.store is None or isinstance(err, (RankStopped, InjectedFault, ZerolabError)):
             return
-        self._stop.set()  # this rank's own heartbeat no longer matters
+        # This rank beats until its verdict is posted: another judging survivor would otherwise name
+        # it as a rank that stopped responding.
+        try:
+            self._judge(err)
+        finally:
+            self._stop.set()
+
+    def _judge(self, err: BaseException) -> None:
         try:
             # The job is failing: a store that is itself gone must not add another full timeout.
             self.store.set_timeout(datetime.timedelta(seconds=max(2.0, 5 * self.interval)))
+            if self.store.check([VERDICT]):
+                raise self._said_already(err)
             found = self.stalled()
+            if not found:
+                return
+            named = self._verdict(err, found)
+            posted = self.store.compare_set(VERDICT, "", str(named)).decode()
+        except RankStopped:
+            raise
         except Exception:  # the store went down with the job: keep the original error
             return
-        if not found:
-            return
+        if posted != str(named):
+            raise self._said_already(err)
+        raise named from err
+
+    def _said_already(self, err: BaseException) -> RankStopped:
+        """Another rank has named who stopped (and says it): this one stops too, quietly."""
+        said = self.store.get(VERDICT).decode()
+        found = re.match(r"rank (\d+) was", said)
+        out = RankStopped(f"rank {self.rank} stops too: {said}")
+        out.said_by, out.rank = (int(found.group(1)) if found else -1), self.rank
+        out.__cause__ = err
+        return out
+
+    def _verdict(self, err: BaseException, found: list) -> RankStopped:
+        """RankStopped naming the ranks `found` stalled: where each was and what became of it."""
         parts = []
         for r, s, what in found:
-            where = "before its first step" if s["step"] is None or s["step"] < 0 else \
-                f"in step {s['step'] + 1} ({s['phase']})"
+            where = position(s["step"], s["phase"])
             verdict = local_verdict(s, self.host)
             if verdict == "exited":
                 what = "exited"
@@ -311,6 +363,6 @@ class ProgressBoard:
                 what = "frozen (stopped by a signal or a debugger); killed"
             parts.append(f"rank {r} {where}: {what} [pid {s['pid']} on {s['host']}]")
         verb = "timed out" if "timed out" in str(err).lower() or "timeout" in str(err).lower() else "failed"
-        raise RankStopped(f"rank {self.rank} was {self._where()} when its collective {verb}; "
-                          f"stopped: {'; '.join(parts)}. A rank that dies or hangs ends the job within dist.timeout_s. "
-                          f"Original error: {str(err).strip()[:300]}") from err
+        return RankStopped(f"rank {self.rank} was {self._where()} when its collective {verb}; "
+                           f"stopped: {'; '.join(parts)}. A rank that dies or hangs ends the job within "
+                           f"dist.timeout_s. Original error: {str(err).strip()[:300]}")

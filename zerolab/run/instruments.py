@@ -17,7 +17,7 @@ from contextlib import contextmanager
 import torch
 
 from zerolab.profile import StepProfiler
-from zerolab.run.fault import FaultInjector, ProgressBoard
+from zerolab.run.fault import DONE, FaultInjector, ProgressBoard
 from zerolab.run.metrics import Progress
 from zerolab.run.monitor import MemoryMonitor
 
@@ -94,7 +94,10 @@ class Instruments:
         self.bar.logged(record["step"], record["loss"], record["step_time_s"], record["lr"], skipped)
 
     def advance(self) -> None:
+        """The step is over: the progress bar moves, and the board says so (a rank that dies before
+        the next step begins is named "after step N", not "in step N")."""
         self.bar.advance()
+        self.board.at(self._step, DONE)
 
     def end_progress(self) -> None:
         if self.bar is not None:

@@ -166,7 +166,7 @@ def cut_back_agreed(ctx, checkpointer, step: int, before_replace: Callable[[], N
     disk too full for the cut's copy of the kept records stops every rank before any trains, with
     one DiskFull (rank 0 says it) naming the room the run needs. Nothing was changed then: the cut
     writes its copy first and replaces metrics.jsonl only once the copy is whole."""
-    from zerolab.checkpoint import room
+    from zerolab.checkpoint import list_checkpoints, room
     from zerolab.run.results import NO_SPACE, DiskFull
 
     problem = None
@@ -177,7 +177,8 @@ def cut_back_agreed(ctx, checkpointer, step: int, before_replace: Callable[[], N
             if err.errno not in NO_SPACE:
                 raise
             rest = room.rest_of_run(checkpointer.cfg, checkpointer.layout, checkpointer.run_dir, checkpointer.dir,
-                                    step, room.checkpoint_estimate(checkpointer.layout))
+                                    step, room.checkpoint_estimate(checkpointer.layout),
+                                    len(list_checkpoints(checkpointer.dir)))
             problem = (f"resuming at step {step}: cutting {os.path.join(checkpointer.run_dir, METRICS)} back to that "
                        f"step needs room for a copy of the records it keeps, and the disk is full ({err.strerror}). "
                        f"Nothing was changed: the record and the checkpoints are as they were. To go on: "

@@ -134,7 +134,7 @@ def disk_full(ctx, cfg, done: int, saved: Optional[str], checkpointer, save: Opt
                                                    " (this strategy writes none)"))
     need = bytes_of(newest) + room.SAVE_MARGIN_BYTES if newest else room.checkpoint_estimate(checkpointer.layout)
     rest = room.rest_of_run(cfg, checkpointer.layout, checkpointer.run_dir, checkpointer.dir,
-                            room.step_of(newest) if newest else 0, need)
+                            room.step_of(newest) if newest else 0, need, len(kept))
     free = room.free_advice(rest) or f"free space on the filesystem mounted at {room.mount_point(checkpointer.run_dir)}"
     go_on = (f"continue with checkpoint.resume=auto run.dir={checkpointer.run_dir} (from {newest}; the record is cut "
              "back to it and the steps after it run again)" if newest else
