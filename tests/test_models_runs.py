@@ -3,11 +3,12 @@ by the tests (tests/test_models.py), trained at 3 ranks, fp32, accumulation 2, A
 
 - Parity: one torchrun launch of tests/workers/models_parity.py trains every case in one process
   group: the Llama (grouped-query attention, untied head, a padding row) under ddp, zero1, zero2,
-  zero3, fsdp and zero3 with activation checkpointing; GPT-2 (tied head) under ddp and zero3;
-  Qwen2 (q/k/v biases) under ddp and DeepSpeed stage 2; the custom module (tied head, blocks two
-  levels down, a root position table read inside the blocks; from a directory outside the
-  repository on PYTHONPATH) under ddp and zero3. Each equals its ddp run on every tensor, and its
-  measured model states equal the ledger's prediction.
+  zero3, fsdp, zero3 with activation checkpointing and fsdp with selective checkpointing; GPT-2
+  (tied head) under ddp and zero3; Qwen2 (q/k/v biases) under ddp and DeepSpeed stage 2; the
+  custom module (tied head, blocks two levels down, a root position table read inside the blocks;
+  from a directory outside the repository on PYTHONPATH) under ddp, zero3 and zero3 with selective
+  checkpointing. Each equals its ddp run on every tensor (a checkpointed run: its strategy's run
+  without checkpointing, bitwise), and its measured model states equal the ledger's prediction.
 - Resume and reshard: a Llama zero3 run checkpointed at step 2 and resumed as zero2 ends at the
   uninterrupted run's weights; its run directory and its checkpoint exported with --format hf load
   with from_pretrained; `zerolab compare` reads both runs. A DeepSpeed stage-3 checkpoint exports too.
@@ -51,10 +52,13 @@ COMMON = ["trainer.grad_accum_steps=2", "data.micro_batch=2", "precision=fp32", 
           "optim.grad_clip=0.5",
           # 16Ki fp32 elements: several buckets per unit (an even count, as DeepSpeed wants)
           "strategy.bucket_mb=0.0625"]
-STRATEGIES = {"llama": ["ddp", "zero1", "zero2", "zero3", "fsdp", "zero3_ac"], "gpt2": ["ddp", "zero3"],
-              "qwen2": ["ddp", "deepspeed"], "custom": ["ddp", "zero3"]}
+STRATEGIES = {"llama": ["ddp", "zero1", "zero2", "zero3", "fsdp", "zero3_ac", "fsdp_sac"], "gpt2": ["ddp", "zero3"],
+              "qwen2": ["ddp", "deepspeed"], "custom": ["ddp", "zero3", "zero3_sac"]}
 STRATEGY_OVERRIDES = {"zero3_ac": ["strategy=zero3", "model.activation_checkpointing=blocks"],
+                      "fsdp_sac": ["strategy=fsdp", "model.activation_checkpointing=selective"],
+                      "zero3_sac": ["strategy=zero3", "model.activation_checkpointing=selective"],
                       "deepspeed": ["strategy=deepspeed", "strategy.stage=2"]}
+CHECKPOINTED = {"zero3_ac": "zero3", "fsdp_sac": "fsdp", "zero3_sac": "zero3"}  # and the run each equals
 
 
 def model_overrides(name: str, configs: dict, weights: dict) -> list[str]:
@@ -120,7 +124,7 @@ PARITY_MEASURED = {"llama/zero1": 7.4e-8, "llama/zero2": 1.5e-7, "llama/zero3": 
 
 
 @pytest.mark.parametrize("key", [f"{m}/{s}" for m, ss in STRATEGIES.items() for s in ss
-                                 if s not in ("ddp", "zero3_ac")])
+                                 if s != "ddp" and s not in CHECKPOINTED])
 def test_user_models_equal_ddp_under_every_strategy(parity, key, request):
     d, results, ds = parity
     if key.endswith("deepspeed") and not ds:
@@ -130,12 +134,16 @@ def test_user_models_equal_ddp_under_every_strategy(parity, key, request):
     assert results["results"][key]["vocab_size"] == 512  # model=hf's from its config; custom's stated
 
 
-def test_activation_checkpointing_equals_the_run_without_it(parity):
-    """zero3 with the Llama's decoder layers recomputed equals zero3 without, bitwise: the recompute
-    runs the same kernels on the same inputs (no dropout), and each gradient is accumulated in the
-    same order (as zerolab's GPT, tests/test_activations.py)."""
+@pytest.mark.parametrize("key", [f"{m}/{s}" for m, ss in STRATEGIES.items() for s in ss if s in CHECKPOINTED])
+def test_activation_checkpointing_equals_the_run_without_it(parity, key):
+    """The Llama's decoder layers recomputed (zero3, blocks), or selectively (fsdp: the matmuls
+    but every second one and SDPA kept), and the custom model's blocks selectively under zero3,
+    each equal the same strategy's run without checkpointing, bitwise: the recompute runs the same
+    kernels on the same inputs (no dropout), and each gradient is accumulated in the same order (as
+    zerolab's GPT, tests/test_activations.py)."""
     d, _, _ = parity
-    assert_same_weights(weights(d, "llama/zero3_ac"), weights(d, "llama/zero3"), "zero3 with checkpointing")
+    model, strategy = key.split("/")
+    assert_same_weights(weights(d, key), weights(d, f"{model}/{CHECKPOINTED[strategy]}"), key)
 
 
 def test_model_states_equal_the_ledgers_prediction(parity):
