@@ -11,9 +11,11 @@ DeepSpeed stage 3's gathered ones have storages the model did not hold when the 
 Blocks run under activation checkpointing save nothing through the hooks (torch's checkpoint
 swaps in its own); the block's inputs, which checkpoint keeps alive to recompute the block, are
 reported through `keep_for_backward` (zerolab.models.recompute, for zerolab's GPT and any other
-model's blocks alike), so the meter sees what backward really holds. The measured side works for
-any model; the prediction below is for zerolab's own models only (a transformers or custom model
-has no prediction: the monitor leaves it out). Outside a meter the hooks do not exist and cost nothing.
+model's blocks alike), and so are the op outputs selective checkpointing keeps in the checkpoint's
+cache (its policy reports each as it keeps it), so the meter sees what backward really holds.
+The measured side works for any model; the prediction below is for zerolab's own models only (a
+transformers or custom model has no prediction: the monitor leaves it out). Outside a meter the
+hooks do not exist and cost nothing.
 
 What the meter does not see: the logits and other temporaries of the forward that are not saved
 (zerolab.plan counts them as transient), and gradients. Measured on CPU here (torch 2.13); on
@@ -60,6 +62,10 @@ from zerolab.precision import COMPUTE_BYTES
 #  - LayerNorm saves its input and per-row mean and rstd: in the input dtype on CPU, fp32 on CUDA.
 #  - the residual adds save nothing; GELU saves its input (4bsh), the MLP projection its input
 #    (the GELU output, 4bsh).
+# Selective checkpointing (zerolab.models.recompute.selective_policy) keeps, per block, its input
+# and the outputs of the 1st and 3rd matmuls (qkv: 3bsh, fc: 4bsh) and of a fused SDPA kernel (its
+# output bsh and logsumexp), term by term in `_selective_kept`; the peak's recomputed block is the
+# layer less what it kept and reads (kept_bytes).
 # Outside the layers: the token ids (the trainer's x and y are views of one b×(s+1) int64 window
 # tensor, saved by the embedding; the loss saves y flattened, a bs int64 copy unless b = 1, and
 # an fp32 scalar total_weight), the position ids
