@@ -58,7 +58,7 @@ class Rehearsal:
     measured: dict = field(default_factory=dict)  # the run's figure keys (mem/...), as a real run logs them
     predicted: dict = field(default_factory=dict)  # the ledger's, under the same keys (None where it has no model)
     peaks: list = field(default_factory=list)  # mem/peak_bytes of every rehearsed step
-    not_rehearsed: str = ""  # why not, for a strategy that cannot run on fake tensors (its traits.rehearsable)
+    not_rehearsed: str = ""  # why not, for a strategy that cannot run on fake tensors (its traits.not_rehearsable)
     kernels: str = "cpu"  # the device type whose kernels ran the step (fake.target_kernels)
     blocks: dict = field(default_factory=dict)  # the repeated blocks the run takes (models.blocks_report)
     comm: dict = field(default_factory=dict)  # the strategy's comm counter, last step: comm_bytes, by link
@@ -108,7 +108,7 @@ def rehearse(overrides: list[str], world: int, rank: int = 0, record: bool = Fal
         raise ConfigError(f"--rank {rank} is not a rank of a {world}-rank job (0 to {world - 1})")
     cfg = rehearsal_config(overrides, world) if cfg is None else for_rehearsal(cfg)
     out = Rehearsal(world, rank, cfg.strategy.name, cfg.model.name, cfg.precision.name)
-    why_not = strategy_class(cfg.strategy.name).traits.rehearsable
+    why_not = strategy_class(cfg.strategy.name).traits.not_rehearsable
     if why_not:
         out.blocks = describe_blocks(build_model(cfg.model, device="meta"), cfg.model.blocks)
         out.not_rehearsed = why_not
