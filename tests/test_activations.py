@@ -3,8 +3,9 @@ checkpointing (same weights, fewer bytes), and the config that selects it.
 
 Fast tier, in-process, one rank: activations do not depend on the strategy (every strategy runs
 the same forward with weights in the compute dtype; zerolab.activations says why), so a single
-process measures what every rank of every strategy saves. The slow tier runs checkpointing under
-zero2 and fsdp with 2 real ranks.
+process measures what every rank of every strategy saves. The slow tier runs checkpointing (blocks
+and selective) under ddp, zero2, zero3, fsdp and DeepSpeed stage 3 with 2 real ranks: bitwise the
+weights of the run without, the bytes the prediction says, and for selective the dry run's peak.
 """
 import dataclasses
 import functools
@@ -41,9 +42,10 @@ def measure(name, b, s, precision, dropout, checkpointing):
 
 
 TINY = [(b, s, prec, p, ck) for b in (1, 4, 16) for s in (64, 128) for prec in ("fp32", "bf16")
-        for p in (0.0, 0.1) for ck in ("none", "blocks")]
+        for p in (0.0, 0.1) for ck in ("none", "blocks", "selective") if ck != "selective" or s == 64]
 SMALL = [(16, 128, "fp32", 0.0, "none"), (1, 128, "bf16", 0.1, "blocks"), (1, 64, "fp32", 0.1, "none"),
-         (2, 128, "bf16", 0.0, "every_k"), (4, 64, "fp32", 0.1, "every_k")]
+         (2, 128, "bf16", 0.0, "every_k"), (4, 64, "fp32", 0.1, "every_k"), (3, 128, "bf16", 0.0, "selective"),
+         (2, 64, "fp32", 0.1, "selective")]
 
 
 @pytest.mark.parametrize("name,b,s,precision,dropout,checkpointing",
@@ -92,6 +94,68 @@ def test_checkpointed_blocks_and_config_validation():
     with pytest.raises(ConfigError, match="GPT blocks only"):
         compose(["model=mlp", "model.activation_checkpointing=blocks"])
     assert compose(["model.activation_checkpointing=blocks"]).model.activation_checkpointing == "blocks"
+    assert checkpointed_blocks(3, "selective") == [True] * 3
+    assert compose(["model.activation_checkpointing=selective"]).model.activation_checkpointing == "selective"
+    # DeepSpeed stage 3's Linear adds the bias in place into the matmul output the selective cache
+    # holds (zerolab/config.py): measured here before the refusal, the weights differed after 4 steps
+    with pytest.raises(ConfigError, match="selective under strategy=deepspeed strategy.stage=3"):
+        compose(["model.activation_checkpointing=selective", "strategy=deepspeed", "strategy.stage=3"])
+    compose(["model.activation_checkpointing=selective", "strategy=deepspeed", "strategy.stage=2"])
+
+
+def test_selective_keeps_torchtitans_ops_every_second_matmul_and_attention():
+    """The policy keeps the outputs of every second matmul and of attention, counting from each
+    block's forward: zerolab's GPT block (Linears with bias: addmm) keeps qkv and fc and SDPA's CPU
+    flash kernel; the same block without biases (mm, torchtitan's matmul) keeps the same ones; with
+    attention dropout the CPU runs SDPA as separate ops, none of them kept."""
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    from zerolab.models.recompute import selective_policy
+
+    aten = torch.ops.aten
+    for bias, dropout, want in ((True, 0.0, [aten.addmm, aten._scaled_dot_product_flash_attention_for_cpu, aten.addmm]),
+                                (False, 0.0, [aten.mm, aten._scaled_dot_product_flash_attention_for_cpu, aten.mm]),
+                                (True, 0.1, [aten.addmm, aten.addmm])):
+        cfg = dataclasses.replace(load_model_config("gpt_tiny"), bias=bias, dropout=dropout)
+        block = build_model(cfg).blocks[0].train()
+        x = torch.randn(2, 8, cfg.n_embd, requires_grad=True)
+        for _ in range(2):  # a fresh policy per block forward: the same ops each time
+            seen = []
+            policy = selective_policy()
+
+            def spy(ctx, func, *args, **kwargs):
+                decision = policy(ctx, func, *args, **kwargs)
+                if decision.name == "MUST_SAVE":
+                    seen.append(func.overloadpacket)
+                return decision
+            caching, _ = create_selective_checkpoint_contexts(spy)
+            with caching:
+                block(x)
+            assert seen == want, (bias, dropout, seen)
+
+
+def test_the_rehearsed_activation_model_equals_the_formula_recomputed_block_included():
+    """The planner's model of a user's model (zerolab.rehearsal.activation_model: measured on fake
+    tensors) and zerolab's per-tensor formula, on zerolab's GPT, agree to the byte in every mode,
+    and so does the peak's recomputed block (zerolab.memory.recompute_bytes): for selective the
+    rehearsal measures which kept outputs the plain forward also saves (each block under the
+    policy's caching mode alone), the formula names them (zerolab/activations.py)."""
+    from zerolab.memory import recompute_bytes
+    from zerolab.rehearsal import activation_model
+
+    for dropout, precision in ((0.0, "bf16"), (0.1, "fp32")):
+        cfg = dataclasses.replace(load_model_config("gpt_tiny"), dropout=dropout)
+        model = activation_model(cfg, 64, precision)
+        for b in (1, 3, 5):
+            by_mode = {}
+            for mode in ("none", "blocks", "selective"):
+                rehearsed = model(b, mode)
+                formula = predict_activations(cfg, b, 64, precision, "cpu", checkpointing=mode)
+                assert (rehearsed.bytes, recompute_bytes(rehearsed)) == (formula.bytes, recompute_bytes(formula)), \
+                    (dropout, precision, b, mode)
+                by_mode[mode] = formula
+            assert by_mode["blocks"].bytes < by_mode["selective"].bytes < by_mode["none"].bytes
+            assert 0 < recompute_bytes(by_mode["selective"]) < recompute_bytes(by_mode["blocks"])
 
 
 # ---- a training run: checkpointing on vs off --------------------------------------------------
@@ -106,7 +170,7 @@ def test_checkpointing_keeps_the_weights_and_saves_the_predicted_bytes(tmp_path,
     from zerolab.trainer import Trainer
 
     weights, measured = {}, {}
-    for mode in ("none", "blocks", "every_k"):
+    for mode in ("none", "blocks", "every_k", "selective"):
         cfg = compose([*RUN, f"model.activation_checkpointing={mode}", f"run.dir={tmp_path / mode}"])
         trainer = Trainer(cfg, one_rank)
         trainer.fit()
@@ -121,10 +185,10 @@ def test_checkpointing_keeps_the_weights_and_saves_the_predicted_bytes(tmp_path,
         assert summary["memory_ledger"]["activations_predicted_bytes"] in measured[mode]
     # Recomputation runs the same kernels on the same inputs with the RNG state restored, so the
     # forward, the dropout masks and every gradient are the same numbers: bitwise the same weights.
-    for m in ("blocks", "every_k"):
+    for m in ("blocks", "every_k", "selective"):
         assert_same_weights(weights[m], weights["none"], f"activation checkpointing={m} vs none")
-    (none,), (blocks,), (every_k,) = measured["none"], measured["blocks"], measured["every_k"]
-    assert blocks < every_k < none
+    (none,), (blocks,), (every_k,), (selective,) = (measured[m] for m in ("none", "blocks", "every_k", "selective"))
+    assert blocks < every_k < none and blocks < selective < none
 
 
 # ---- slow tier: 2 ranks, strategies that hook into the blocks ----------------------------------
@@ -133,23 +197,43 @@ def test_checkpointing_keeps_the_weights_and_saves_the_predicted_bytes(tmp_path,
 # run that hook (torch's non-reentrant checkpoint stops recomputing once the saved tensors it
 # needs exist, before the block returns), or backward would read freed weights.
 # DeepSpeed stage 3 gathers parameters in its own module hooks, which recomputation runs again.
-@pytest.mark.parametrize("strategy", ["zero2", "zero3", "fsdp", "deepspeed strategy.stage=3"])
+@pytest.mark.parametrize("strategy", ["ddp", "zero2", "zero3", "fsdp", "deepspeed strategy.stage=3"])
 def test_checkpointing_under_sharded_strategies(tmp_path, strategy, request):
     if strategy.startswith("deepspeed"):
         request.getfixturevalue("deepspeed_ops")  # skips, with the reason, where the ops are not built
+    from zerolab.rehearsal import rehearse
+
     name, *extra = strategy.split()
     common = ["model=gpt_tiny", "model.dropout=0.1", "data.micro_batch=2", "trainer.max_steps=4",
-              "trainer.eval_every=0", "trainer.eval_batches=1", f"strategy={name}", *extra, "precision=fp32"]
-    run_train(tmp_path / "none", 2, *common)
-    run_train(tmp_path / "blocks", 2, *common, "model.activation_checkpointing=blocks")
+              "trainer.eval_every=0", "trainer.eval_batches=1", "trainer.log_every=1", f"strategy={name}", *extra,
+              "precision=fp32"]
+    # ddp: none and selective (blocks: the one-rank test above); DeepSpeed stage 3: none and blocks
+    # (selective is refused there: tests/test_activations.py's config test says why)
+    modes = {"ddp": ("none", "selective"), "deepspeed": ("none", "blocks")}.get(name, ("none", "blocks", "selective"))
+    for mode in modes:
+        run_train(tmp_path / mode, 2, *common, f"model.activation_checkpointing={mode}")
     # As in the one-rank test: the same numbers, recomputed, whatever the strategy does around the block.
-    assert_same_weights(load_weights(tmp_path / "blocks"), load_weights(tmp_path / "none"),
-                        f"{strategy}: activation checkpointing vs none")
+    for mode in modes[1:]:
+        assert_same_weights(load_weights(tmp_path / mode), load_weights(tmp_path / "none"),
+                            f"{strategy}: activation checkpointing={mode} vs none")
     cfg = load_model_config("gpt_tiny")
-    for mode in ("none", "blocks"):
+    measured = {}
+    for mode in modes:
         last = read_metrics(tmp_path / mode)[-1]
         want = predict_activations(dataclasses.replace(cfg, dropout=0.1, activation_checkpointing=mode), 2,
                                    precision="fp32").bytes
         assert last["rank0/mem/activations_bytes"] == last["rank1/mem/activations_bytes"] == want, (mode, last)
-    summary = json.loads((tmp_path / "blocks" / "summary.json").read_text())
+        measured[mode] = want
+    if len(measured) == 3:
+        assert measured["blocks"] < measured["selective"] < measured["none"]
+    summary = json.loads((tmp_path / modes[-1] / "summary.json").read_text())
     assert summary["memory_per_rank"][0]["mem/activations_bytes"] > 0
+    if "selective" in modes:
+        # the dry run of rank 0 with selective checkpointing counts what the real rank 0 counted,
+        # to the byte: the same forward on fake tensors, the same meter, the same peak composition
+        real = summary["peak_memory_per_rank"][0]
+        dry = rehearse([*common, "model.activation_checkpointing=selective"],
+                       world=2, rank=0).measured
+        for key in ("mem/peak_bytes", "mem/peak_activations_bytes", "mem/peak_transient_bytes",
+                    "mem/peak_model_states_bytes"):
+            assert dry[key] == real[key], (strategy, key, dry[key], real[key])

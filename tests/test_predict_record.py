@@ -8,6 +8,7 @@ import logging
 
 import pytest
 
+from zerolab.predict import cli as predict_cli
 from zerolab.predict.record import Op, Sync, Wait
 from zerolab.predict.topology import FACTOR, Network
 from zerolab.predict.hardware import DEVICES, LINKS
@@ -117,6 +118,29 @@ def test_the_recorded_flops_are_the_models_matmuls():
     backward = sum(e.flops for e in r.record.ops() if e.phase == "backward")
     assert forward == pytest.approx(tokens * (2 * matmul + attention), rel=1e-9)
     assert backward == pytest.approx(tokens * (4 * matmul + 2.5 * attention), rel=1e-9)
+
+
+def test_recomputation_is_recorded_and_priced_selective_between_none_and_blocks():
+    """The recorder sees the ops that run, recomputation included (2 FLOPs per weight per token
+    per matmul). Torch's non-reentrant checkpoint stops a recomputation as soon as the tensors its
+    backward reads exist, and autograd saves an op's inputs before running it: the MLP's proj
+    (4d²), whose output no backward reads (the residual add saves nothing; no dropout), is never
+    recomputed. So `blocks` recomputes qkv, attention, proj and fc (8d² and attention), and
+    `selective`, which kept qkv, fc and attention's outputs, recomputes attention's proj alone
+    (d²). Exact counts. Priced on an h100, compute orders the same way."""
+    from zerolab.config import compose
+
+    m = compose(["model=gpt_tiny"]).model
+    tokens, L, d, T = 2 * m.block_size, m.n_layer, m.n_embd, m.block_size
+    backward, compute = {}, {}
+    for mode in ("none", "selective", "blocks"):
+        r = recorded("ddp", 1, "fp32", f"model.activation_checkpointing={mode}")
+        backward[mode] = sum(e.flops for e in r.record.ops() if e.phase == "backward")
+        compute[mode] = predict_cli.priced(r, predict_cli.topology(predict_cli.arguments("h100"), 1)).parts["compute"]
+    attention = L * 2 * 2 * T * d / 2
+    assert backward["selective"] - backward["none"] == pytest.approx(tokens * 2 * L * d * d, rel=1e-9)
+    assert backward["blocks"] - backward["none"] == pytest.approx(tokens * (2 * L * 8 * d * d + attention), rel=1e-9)
+    assert compute["none"] < compute["selective"] < compute["blocks"]
 
 
 # ---- the ZeRO paper's volumes (Rajbhandari et al. 2019, section 7) ---------------------------------------
@@ -240,7 +264,7 @@ def test_plan_ranks_what_fits_by_predicted_tokens_per_second(capsys):
     speed = json.loads(capsys.readouterr().out)["speed"]
     rows = speed["rows"]
     assert {(r["strategy"], r["checkpointing"], r["micro_batch"]) for r in rows} == {
-        (s, ck, mb) for s in ("zero2", "zero3") for ck in ("none", "blocks") for mb in (1, 2)}
+        (s, ck, mb) for s in ("zero2", "zero3") for ck in ("none", "blocks", "selective") for mb in (1, 2)}
     rates = [r["tokens_per_s_per_device"] for r in rows]
     assert rates == sorted(rates, reverse=True) and all(r["peak_bytes"] > 0 for r in rows)
     assert [s["strategy"] for s in speed["not_rehearsed"]] == ["deepspeed-2"]

@@ -93,6 +93,9 @@ class ActivationPrediction:
     terms: list = field(default_factory=list)
     layer_bytes: int = 0  # one non-checkpointed transformer layer (the recompute working set)
     block_input_bytes: int = 0  # what a checkpointed block keeps of it: its input
+    # of layer_bytes, what a recomputed block finds kept from its forward (0: its input alone;
+    # selective: also the kept op outputs its backward reads); the rest is the recompute's transient
+    kept_bytes: int = 0
 
     def add(self, what: str, nbytes: float, count: int = 1) -> None:
         if nbytes and count:
@@ -106,6 +109,7 @@ class ActivationPrediction:
         return {"model": self.model, "micro_batch": self.micro_batch, "seq": self.seq,
                 "precision": self.precision, "device": self.device, "checkpointing": self.checkpointing,
                 "bytes": self.bytes, "layer_bytes": self.layer_bytes, "block_input_bytes": self.block_input_bytes,
+                "kept_bytes": self.kept_bytes,
                 "terms": [{"what": t.what, "bytes": t.bytes, "count": t.count} for t in self.terms]}
 
 
@@ -153,6 +157,29 @@ def _gpt_layer(b: int, s: int, h: int, a: int, c: int, dropout: float, device: s
     if dropout > 0:
         terms += [("MLP dropout mask", bsh * mask)]
     return terms
+
+
+def _selective_kept(b: int, s: int, h: int, a: int, c: int, dropout: float, device: str) -> list[tuple[str, int, int]]:
+    """What `selective` (zerolab.models.recompute.selective_policy) keeps of one block beyond its
+    input: (what, bytes, of those the bytes the plain layer saves too, i.e. what its recomputed
+    backward reads instead of recomputing). The block's four Linears dispatch four matmuls (addmm
+    with bias, mm without): qkv (1st, kept), attention's proj (2nd, recomputed), fc (3rd, kept)
+    and the MLP's proj (4th, recomputed)."""
+    bsh = b * s * h
+    kept = []
+    fused = not (device == "cpu" and dropout > 0)
+    # qkv: the fused kernels save their q, k, v views of it, so the plain layer holds it too. The
+    # CPU math path (dropout) saves scaled copies instead, and v as a view of it only when b = 1
+    # in the compute dtype (see _gpt_layer).
+    f = 4 if c == 2 else c
+    qkv_in_layer = fused or (b == 1 and f == c)
+    kept.append(("qkv Linear output (1st matmul)", 3 * bsh * c, 3 * bsh * c if qkv_in_layer else 0))
+    if fused:  # the SDPA kernel is one op: its output and logsumexp are kept (both saved by the layer)
+        lse = (s if device == "cpu" else 32 * math.ceil(s / 32)) * b * a * 4
+        kept.append(("attention output and fp32 logsumexp (the SDPA kernel's outputs)", bsh * c + lse, bsh * c + lse))
+    # with CPU attention dropout SDPA is separate ops (bmm, softmax, dropout): all recomputed
+    kept.append(("fc Linear output (3rd matmul; the GELU input)", 4 * bsh * c, 4 * bsh * c))
+    return kept
 
 
 def predict_activations(mcfg, micro_batch: int, seq: Optional[int] = None, precision: str = "fp32",
@@ -204,6 +231,11 @@ def predict_activations(mcfg, micro_batch: int, seq: Optional[int] = None, preci
     for what, nbytes in layer:
         pred.add(f"layer: {what}", nbytes, full)
     pred.add("checkpointed layer: its input, kept to recompute the block", b * s * h * c, recomputed)
+    pred.kept_bytes = pred.block_input_bytes
+    if mode == "selective":  # the kept op outputs, held by each block's checkpoint cache
+        for what, nbytes, in_layer in _selective_kept(b, s, h, a, c, p, device):
+            pred.add(f"selective layer: {what}", nbytes, recomputed)
+            pred.kept_bytes += in_layer
     pred.add("ln_f input (the last block's output)", b * s * h * c)
     pred.add("ln_f mean and rstd", 2 * b * s * (c if device == "cpu" else 4))
     pred.add("ln_f output (lm_head input)", b * s * h * c)

@@ -48,6 +48,17 @@ def validate(cfg: DictConfig | Config, world_size: Optional[int] = None) -> Conf
     _choice("strategy.reduce_dtype", cfg.strategy.reduce_dtype, ("auto", "fp32"))
     strategy = strategy_class(cfg.strategy.name)
     strategy.check_config(cfg, world)  # what this strategy cannot honour
+    if (cfg.model.activation_checkpointing == "selective" and cfg.strategy.name == "deepspeed"
+            and getattr(cfg.strategy, "stage", 0) == 3):
+        # DeepSpeed stage 3 replaces every Linear by its own (memory_efficient_linear), which adds the
+        # bias in place into the matmul's output: the very tensor selective checkpointing keeps,
+        # unseen by its mutation check (the add goes through a view with its own version counter),
+        # so the recomputation would add the bias twice.
+        raise ConfigError("model.activation_checkpointing=selective under strategy=deepspeed strategy.stage=3: "
+                          "DeepSpeed's stage-3 Linear adds the bias in place into the matmul output that selective "
+                          "checkpointing keeps, which would corrupt the recomputation; use "
+                          "model.activation_checkpointing=blocks, or stage 2 or another parameter-sharding "
+                          "strategy (zero3, fsdp)")
     check_precision_modes(cfg, strategy, {n: strategy_class(n) for n in REGISTRY})  # precision.master, ...
     warn_unused_settings(cfg, strategy)
     return cfg
@@ -61,7 +72,7 @@ def _check_model(m: ModelConfig) -> None:
         raise ConfigError(f"model.n_embd={m.n_embd} must be divisible by model.n_head={m.n_head}")
     if not 0.0 <= m.dropout < 1.0:
         raise ConfigError(f"model.dropout={m.dropout} must be in [0, 1)")
-    _choice("model.activation_checkpointing", m.activation_checkpointing, ("none", "blocks", "every_k"))
+    _choice("model.activation_checkpointing", m.activation_checkpointing, ("none", "blocks", "every_k", "selective"))
     _positive("model.checkpoint_every_k", m.checkpoint_every_k)
     if m.kind == "mlp" and m.activation_checkpointing != "none":
         raise ConfigError(f"model.activation_checkpointing={m.activation_checkpointing} recomputes a model's repeated "

@@ -1,6 +1,6 @@
-"""`python -m zerolab plan`: will it fit? The largest micro-batch per rank for each strategy, with and
-without activation checkpointing, under a GPU's memory with a safety margin, before anyone books
-a node.
+"""`python -m zerolab plan`: will it fit? The largest micro-batch per rank for each strategy, without
+activation checkpointing, with every block recomputed and with selective (op-level) checkpointing,
+under a GPU's memory with a safety margin, before anyone books a node.
 
 Peak per rank = the larger of two moments of a step (composed in zerolab/memory/peak.py, shared
 with the run's ledger and the trainer's CPU accounting):
@@ -11,8 +11,8 @@ with the run's ledger and the trainer's CPU accounting):
                 log-probabilities and of the logits at once (4 + 4 bytes per logit); the forward's
                 logits (c bytes) and their fp32 copy (4, 16-bit only) are gone by then and are
                 never more than that.
-              - one checkpointed block recomputed (its activations minus its kept input), with
-                activation checkpointing.
+              - one checkpointed block recomputed (its activations minus what it kept: its input,
+                and under selective checkpointing the kept op outputs its backward reads).
               - the strategy's communication buffers during backward, as its memory prediction
                 states them (transient terms with when="backward": buckets in flight, a reduce
                 bucket, gathered weights of a parameter-sharding stage).
@@ -39,6 +39,9 @@ from zerolab.predict import cli as predict_cli
 
 CATEGORIES = ("params", "grads", "master", "optim_state", "buffers", "activations", "transient")
 MAX_MICRO_BATCH = 1 << 16
+# model.activation_checkpointing settings every strategy is planned with: none, every block
+# recomputed, and selective (op-level: the matmuls' and attention's outputs kept; between the two)
+PLANNED_CHECKPOINTING = ("none", "blocks", "selective")
 _UNITS = {"b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12,
           "kib": 2 ** 10, "mib": 2 ** 20, "gib": 2 ** 30, "tib": 2 ** 40}
 
@@ -135,7 +138,7 @@ class Planner:
         return Fit(label, checkpointing, lo, peak, parts, phase, dominant)
 
     def table(self, budget: int) -> list[Fit]:
-        return [self.fit(label, budget, ck) for label in self.states for ck in ("none", "blocks")]
+        return [self.fit(label, budget, ck) for label in self.states for ck in PLANNED_CHECKPOINTING]
 
 
 def format_plan(planner: Planner, fits: list[Fit], gpu_mem: int, margin: float) -> str:
@@ -145,14 +148,14 @@ def format_plan(planner: Planner, fits: list[Fit], gpu_mem: int, margin: float) 
     head = (f"{m.name}: {planner.shape.n_params:,} parameters ({shape}) | {planner.precision} | {planner.optim} | "
             f"world {planner.world} | seq {planner.seq} | activations as on {planner.device}")
     lines = [head, f"budget per rank: {human_bytes(budget)} = {human_bytes(gpu_mem)} × (1 − margin {margin:g})", ""]
-    cols = f"{'strategy':<12} {'ckpt':<7} {'max mb':>7} {'peak/rank':>10}  " + " ".join(
+    cols = f"{'strategy':<12} {'ckpt':<9} {'max mb':>7} {'peak/rank':>10}  " + " ".join(
         f"{c:>11}" for c in ("states", "activations", "transient")) + "  dominant"
     lines += [cols, "-" * len(cols)]
     for f in fits:
         states = sum(f.breakdown[k] for k in ("params", "grads", "master", "optim_state", "buffers"))
         mb = str(f.micro_batch) if f.micro_batch else "none"
         at = "" if f.micro_batch else " (at mb 1)"
-        lines.append(f"{f.label:<12} {f.checkpointing:<7} {mb:>7} {human_bytes(f.peak):>10}  "
+        lines.append(f"{f.label:<12} {f.checkpointing:<9} {mb:>7} {human_bytes(f.peak):>10}  "
                      f"{human_bytes(states):>11} {human_bytes(f.breakdown['activations']):>11} "
                      f"{human_bytes(f.breakdown['transient']):>11}  {f.dominant}"
                      + (" (optimizer step)" if f.phase == "step" else "") + at)
@@ -174,9 +177,9 @@ def plot_plan(path: str, planner: Planner, fits: list[Fit], gpu_mem: int, margin
     mbs = sorted({1, 2} | {2 ** i for i in range(int(math.log2(max(2, top))) + 2)})
     fig, ax = plt.subplots(figsize=(10, 5))
     for i, label in enumerate(planner.states):
-        for ck, style in (("none", "-"), ("blocks", "--")):
+        for ck, style in zip(PLANNED_CHECKPOINTING, ("-", "--", ":")):
             ax.plot(mbs, [planner.peak(label, b, ck)[0] / 1e9 for b in mbs], linestyle=style,
-                    marker="os^vDx*P"[i % 8], color=f"C{i}", label=f"{label}" + (" + ckpt" if ck == "blocks" else ""))
+                    marker="os^vDx*P"[i % 8], color=f"C{i}", label=f"{label}" + ("" if ck == "none" else f" + {ck}"))
     ax.axhline(gpu_mem / 1e9, color="k", linewidth=1.5, label=f"GPU memory {human_bytes(gpu_mem)}")
     ax.axhline(gpu_mem * (1 - margin) / 1e9, color="k", linestyle=":", label=f"budget (margin {margin:g})")
     ax.set_xscale("log", base=2)
@@ -247,7 +250,7 @@ def confirm(fit: Fit, planner: Planner, job: list[str], budget: int) -> dict:
 def format_exact(fits: list[Fit], confirmed: list[dict], budget: int) -> str:
     lines = ["", f"--exact: each row rehearsed on rank 0 (python -m zerolab dry-run), against the budget "
                  f"{human_bytes(budget)}:",
-             f"{'strategy':<12} {'ckpt':<7} {'plan mb':>7} {'rehearsed peak':>15}  verdict"]
+             f"{'strategy':<12} {'ckpt':<9} {'plan mb':>7} {'rehearsed peak':>15}  verdict"]
     for f, c in zip(fits, confirmed):
         if c["not_rehearsed"]:
             verdict, shown = f"not rehearsed: {c['not_rehearsed'].split(' (')[0]}", "-"
@@ -257,7 +260,7 @@ def format_exact(fits: list[Fit], confirmed: list[dict], budget: int) -> str:
             verdict = (f"over the budget at mb {f.micro_batch}; the largest that fits: "
                        f"{c['rehearsed_micro_batch'] or 'none'}")
             shown = human_bytes(c["planned_peak_rehearsed_bytes"])
-        lines.append(f"{f.label:<12} {f.checkpointing:<7} {f.micro_batch or 'none':>7} {shown:>15}  {verdict}")
+        lines.append(f"{f.label:<12} {f.checkpointing:<9} {f.micro_batch or 'none':>7} {shown:>15}  {verdict}")
     lines.append("A rehearsal runs the job's own step on fake tensors with CPU kernels: where they save other "
                  "tensors than a GPU's (attention with dropout), its activations are the CPU's.")
     return "\n".join(lines)
@@ -414,10 +417,10 @@ def rank_by_speed(planner: Planner, job: list[str], fits: list[Fit], topo, micro
 def format_speed(speed: dict) -> str:
     lines = ["", f"predicted speed on {speed['world']} x {speed['hardware']}, fastest first "
                  f"(a prediction is a model, not a measurement):",
-             f"{'strategy':<12} {'ckpt':<7} {'mb':>4} {'peak/rank':>10} {'step':>11} {'tokens/s/dev':>13} {'MFU':>6} "
+             f"{'strategy':<12} {'ckpt':<9} {'mb':>4} {'peak/rank':>10} {'step':>11} {'tokens/s/dev':>13} {'MFU':>6} "
              f"{'exposed comm':>13}"]
     for r in speed["rows"]:
-        lines.append(f"{r['strategy']:<12} {r['checkpointing']:<7} {r['micro_batch']:>4} "
+        lines.append(f"{r['strategy']:<12} {r['checkpointing']:<9} {r['micro_batch']:>4} "
                      f"{human_bytes(r['peak_bytes']):>10} {r['step_s'] * 1e3:>8.1f} ms "
                      f"{r['tokens_per_s_per_device']:>13,.0f} {100 * r['mfu']:>5.1f}% "
                      f"{100 * r['comm_exposed_share']:>12.1f}%")

@@ -78,7 +78,9 @@ class ModelConfig:
     dropout: float = setting(0.0, applies=GPT)
     # Activation checkpointing of the model's blocks (model.blocks; torch's non-reentrant
     # checkpoint, RNG preserved): none | blocks (every block) | every_k (blocks 0, k, 2k, ...: one
-    # block in k recomputes). Any model with blocks: gpt, hf, custom (mlp has none)
+    # block in k recomputes) | selective (every block, op-level: torchtitan's policy keeps the
+    # matmuls' outputs but every second one's, and attention's; the rest is recomputed). Any
+    # model with blocks: gpt, hf, custom (mlp has none)
     activation_checkpointing: str = "none"
     checkpoint_every_k: int = setting(2, applies=_only("model.activation_checkpointing", "every_k"))
     # mlp: embedding -> `mlp_depth` hidden layers of width `mlp_hidden` -> logits

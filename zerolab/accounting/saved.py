@@ -63,6 +63,10 @@ class ActivationMeter:
         self._seen.add(key)
         self.bytes += t.untyped_storage().nbytes()
 
+    def holds(self, t: torch.Tensor) -> bool:
+        """Whether `t`'s storage was counted (or is a parameter's or buffer's)."""
+        return t.device.type != "meta" and storage_key(t) in self._seen
+
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         self.add(t)
         return t  # saved as usual: the meter only looks
@@ -75,7 +79,8 @@ def _unpack(t: torch.Tensor) -> torch.Tensor:
 def keep_for_backward(*tensors: torch.Tensor) -> None:
     """Tell the active meters (if any) that these tensors stay alive until backward outside
     autograd's saved tensors: activation checkpointing keeps each checkpointed block's input to
-    recompute it. Free when no meter is active."""
+    recompute it, and selective checkpointing the op outputs it caches. Free when no meter is
+    active."""
     for meter in _ACTIVE:
         for t in tensors:
             meter.add(t)

@@ -9,8 +9,9 @@ Peak = the larger of two moments of a step:
                 gradient of the log-probabilities and of the (fp32-cast) logits at once; the
                 forward's logits (c bytes) and their fp32 copy are gone by then and are never
                 more than that.
-              - one checkpointed block recomputed (its activations minus its kept input), with
-                activation checkpointing.
+              - one checkpointed block recomputed (its activations minus what it kept: its
+                input, and with selective checkpointing the kept op outputs), with activation
+                checkpointing.
               - the strategy's own buffers alive during backward (buckets copied for reduction,
                 gathered weights).
   step      model states + what exists inside the optimizer step only (fp32 gradient copies,
@@ -35,10 +36,12 @@ def logits_buffer_bytes(micro_batch: int, seq: int, vocab: int) -> int:
 
 def recompute_bytes(act_pred) -> int:
     """One checkpointed block recomputed during backward: its activations (layer_bytes of an
-    activation prediction) minus its input, which is already counted as kept."""
+    activation prediction) minus what its backward finds already kept, counted in the
+    activations: its input, and under selective checkpointing the kept op outputs it reads
+    (kept_bytes; 0 where only the input is kept)."""
     if act_pred.checkpointing == "none" or not act_pred.layer_bytes:
         return 0
-    return act_pred.layer_bytes - act_pred.block_input_bytes
+    return act_pred.layer_bytes - (getattr(act_pred, "kept_bytes", 0) or act_pred.block_input_bytes)
 
 
 @dataclass

@@ -88,5 +88,6 @@ class GPT(nn.Module):
                                         self.cfg.checkpoint_every_k)
         for block, again in zip(self.blocks, recompute):
             # the block's input is kept, the block recomputed in backward (zerolab.models.recompute)
-            x = checkpointed_call(block, x) if again else block(x)
+            x = checkpointed_call(block, x, selective=self.cfg.activation_checkpointing == "selective") \
+                if again else block(x)
         return self.lm_head(self.ln_f(x))
