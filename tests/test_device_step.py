@@ -201,8 +201,8 @@ def test_a_step_logged_only_for_its_profile_runs_as_an_unlogged_step(one_rank, t
     trainer = trainer_for(one_rank, tmp_path / "run", "zero2", "trainer.log_every=100", "profile.steps=[3]",
                           "optim.grad_clip=0.05")
     step = 2  # 0-based: metrics.jsonl's step 3
-    assert trainer.logs_step(step) and trainer.stats_level(step, True) == 0
-    assert trainer.stats_level(0, True) == 1  # the run's first step reports: measured on the host
+    assert trainer.logs_step(step) and trainer.measure(step, True) == 0
+    assert trainer.measure(0, True) == 1  # the run's first step reports: measured on the host
     summary = trainer.fit()
     trainer.close()
     import json

@@ -639,3 +639,12 @@ def test_the_readme_and_the_testing_page_state_one_suite_time_and_the_record_hol
     assert stated[0] == stated[1], stated
     record = results.split("\n## The test suite's times", 1)[1]
     assert f"{stated[0]} min" in record, stated[0]
+
+
+def test_the_models_page_says_persistent_buffers_are_checkpointed():
+    """docs/models.md said persistent buffers were refused at the first save long after checkpoints
+    held them (tests/test_checkpoint_buffers.py resumes them bitwise): its bullet points at the
+    checkpoint page's account and refuses nothing."""
+    bullets = (ROOT / "docs" / "models.md").read_text().split("\n- ")
+    bullet = next(b for b in bullets if b.startswith("Persistent buffers")).split("\n\n", 1)[0]
+    assert "checkpoints.md#model-buffers" in bullet and "refused" not in bullet and "not saved" not in bullet

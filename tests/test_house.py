@@ -61,6 +61,19 @@ def test_every_module_is_in_a_layer():
                                           f"listed but missing: {sorted(listed - _top_level_units())}")
 
 
+def test_architecture_page_lists_the_layers_of_the_contract():
+    """docs/architecture.md's table of layers names, top to bottom, the modules of each layer of
+    pyproject.toml's contract (its foundation row once lacked master and precision_modes)."""
+    import re
+
+    page = (ROOT / "docs" / "architecture.md").read_text().split("## The layers", 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in page.splitlines() if line.startswith("| ") and "`" in line.split("|")[2]]
+    documented = [sorted(re.findall(r"`([a-z_]+)`", row.split("|")[2])) for row in rows]
+    contract = [sorted(m.strip().removeprefix("zerolab.") for m in layer.replace("|", ":").split(":"))
+                for layer in _contract()["layers"]]
+    assert documented == contract
+
+
 def import_graph() -> dict[str, set[str]]:
     """zerolab top-level module or package -> the others it imports, at any depth of its code."""
     edges = defaultdict(set)

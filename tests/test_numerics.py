@@ -70,12 +70,12 @@ def test_pending_says_what_the_device_decided(caplog):
     for step, found in enumerate([False, False, True, False, True, False]):
         pending.note(torch.tensor(found), step, skipped=True)
     with caplog.at_level("WARNING", logger="zerolab"):
-        pending.settle(scaler, skips=True, now=5)
+        pending.report(scaler, skips=True, now=5)
     assert "2 update(s) skipped from step 3 on" in caplog.text and "seen at step 6" in caplog.text
     stop = numerics.Pending(torch.device("cpu"))
     stop.note(torch.tensor(True), 1, skipped=False)
     with pytest.raises(NonFiniteGradient, match="^step 2: the gradient norm is not finite"):
-        stop.settle(scaler, skips=False, now=3)
+        stop.report(scaler, skips=False, now=3)
 
 
 def test_an_underflowing_loss_scale_is_raised_when_settled():
@@ -83,4 +83,4 @@ def test_an_underflowing_loss_scale_is_raised_when_settled():
     pending = numerics.Pending(torch.device("cpu"))
     scaler.update(torch.tensor(True), 4)  # a device-decided overflow would take 2 to 1 < min_scale
     with pytest.raises(LossScaleUnderflow, match="^step 5: fp16 loss scale would fall to 1"):
-        pending.settle(scaler, skips=True, now=4)
+        pending.report(scaler, skips=True, now=4)

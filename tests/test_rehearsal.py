@@ -60,6 +60,44 @@ def check_rehearsal(overrides: list[str], strategy: str) -> None:
     assert "dry run of rank 3 of 4" in table and "not counted here" in table
 
 
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_a_gpu_target_runs_cudas_kernels_and_equals_the_cuda_ledger(precision):
+    """With dropout, a CPU target rehearses the CPU's kernels (the math attention keeping every b·a·s²
+    matrix, dropout noise in the compute dtype) and equals the ledger's CPU prediction, as real CPU
+    runs do; a CUDA target rehearses CUDA's (flash for bf16, memory-efficient for fp32, with their
+    RNG state and logsumexp; bool dropout masks; fp32 layer-norm statistics) and equals the ledger's
+    CUDA prediction, to the byte. A sequence of 50 tells flash's logsumexp from the memory-efficient
+    kernel's (padded to 64 rows)."""
+    job = [*TINY, f"precision={precision}", "model.dropout=0.1", "model.block_size=50", "strategy=ddp"]
+    cpu, cuda = rehearse(job, world=2, target="cpu"), rehearse(job, world=2, target="cuda")
+    for r in (cpu, cuda):
+        for key in ("mem/activations_bytes", "mem/peak_bytes"):
+            assert r.measured[key] == r.predicted[key], (r.kernels, key, r.measured[key], r.predicted[key])
+    assert cuda.kernels == "cuda" and "CUDA's kernels" in format_rehearsal(cuda)
+    assert cuda.measured["mem/activations_bytes"] < cpu.measured["mem/activations_bytes"]
+
+
+def test_gpt2_with_dropout_on_a_gpu_target_keeps_no_score_matrix(tmp_path):
+    """A transformers GPT-2 config with dropout 0.1 (its default) beside the same with 0: on a CUDA
+    target the attention runs the flash kernel either way, so the two differ by the bool masks of
+    the embedding's and each block's two residual dropouts alone (1 byte per element); on the CPU
+    target the math path keeps at least one b·a·s² matrix per layer more."""
+    b, s, h, a, layers = 2, 256, 64, 4, 2
+
+    def activations(dropout: float, target: str) -> int:
+        path = tmp_path / f"gpt2-{dropout}.json"
+        path.write_text(json.dumps({"model_type": "gpt2", "n_embd": h, "n_layer": layers, "n_head": a,
+                                    "n_positions": s, "vocab_size": 256, "resid_pdrop": dropout,
+                                    "embd_pdrop": dropout, "attn_pdrop": dropout}))
+        r = rehearse(["model=hf", f"model.config={path}", f"model.block_size={s}", f"data.micro_batch={b}",
+                      "precision=bf16", "strategy=ddp"], world=2, target=target)
+        return r.measured["mem/activations_bytes"]
+
+    masks = b * s * h * (1 + 2 * layers)
+    assert activations(0.1, "cuda") - activations(0.0, "cuda") == masks
+    assert activations(0.1, "cpu") - activations(0.0, "cpu") > layers * b * a * s * s
+
+
 @pytest.mark.slow  # in-process, but several seconds: kept out of the 2-minute fast tier
 def test_the_fp32_floor_of_zero1_and_zero2():
     """fp32 with AdamW (issue 27): zero1 holds (4 + 4 + 8/N) bytes per parameter, zero2

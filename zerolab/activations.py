@@ -139,12 +139,18 @@ def _gpt_layer(b: int, s: int, h: int, a: int, c: int, dropout: float, device: s
         terms += [("softmax, dropout noise, dropped softmax (CPU math attention, b·a·s²)", 3 * b * a * s * s * f),
                   ("attention output, transposed copy (proj Linear input)", bsh * c)]
     else:
-        lse_s = s if device == "cpu" else 32 * math.ceil(s / 32)  # CUDA mem-efficient kernel pads to 32
+        # CUDA's kernel (cuda_attention_kernel): FlashAttention keeps an unpadded logsumexp and its
+        # RNG state, a (2,) and a 0-d uint64; the memory-efficient kernel pads the logsumexp to 32
+        # rows and keeps its philox seed and offset, two int64 scalars. Both, with or without dropout.
+        kernel = cuda_attention_kernel(c == 2, h // a, c == 4) if device == "cuda" else "cpu flash"
+        lse_s = 32 * math.ceil(s / 32) if kernel == "efficient" else s
         # The kernels write their output in (b, s, a, d) memory order, so the transpose + reshape
         # before the projection is a view: the projection's input is the saved output itself.
         terms += [("qkv output: q, k, v views (fused attention)", 3 * bsh * c),
                   ("attention output = proj Linear input (fused attention)", bsh * c),
                   ("logsumexp, fp32 (fused attention)", b * a * lse_s * 4)]
+        if device == "cuda":
+            terms += [(f"RNG state ({kernel} attention)", 24 if kernel == "flash" else 16)]
     if dropout > 0:
         terms += [("residual dropout mask after attn proj", bsh * mask)]
     terms += [
@@ -242,6 +248,23 @@ def predict_activations(mcfg, micro_batch: int, seq: Optional[int] = None, preci
     pred.add(*logprobs)
     pred.add(*target)
     return pred
+
+
+CUDA_FLASH_MAX_HEAD_DIM = 256  # FlashAttention-2's largest head dimension (sm80 and later)
+
+
+def cuda_attention_kernel(half: bool, head_dim: int, fp32: bool, masked: bool = False, grouped: bool = False,
+                          same_dims: bool = True) -> str:
+    """Which kernel CUDA's scaled_dot_product_attention takes, in torch's default order (flash,
+    memory-efficient, math: torch._C._get_sdp_priority_order()): "flash" for fp16/bf16 (`half`)
+    without an explicit mask, head dim <= 256 and a multiple of 8 (it takes grouped key/value heads
+    as they are); "efficient" for any float dtype, a mask as a bias, not grouped, head dim a multiple
+    of 4 (fp32) or 8; else "math"."""
+    if half and not masked and same_dims and head_dim <= CUDA_FLASH_MAX_HEAD_DIM and head_dim % 8 == 0:
+        return "flash"
+    if not grouped and same_dims and head_dim % (4 if fp32 else 8) == 0:
+        return "efficient"
+    return "math"
 
 
 __all__: Iterable[str] = ["ActivationMeter", "keep_for_backward", "predict_activations", "ActivationPrediction",

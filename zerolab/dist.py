@@ -39,12 +39,16 @@ class DistContext:
     rehearsal: bool = False
     # Which ranks share a node (zerolab.topology): dist.ranks_per_node, else the launcher's.
     topology: Optional[Topology] = None
+    # The device type whose kernels run the step (what they save for backward differs between CPU
+    # and CUDA kernels: zerolab.activations): this rank's device's, or a dry run's target.
+    kernels: str = ""
     _mesh: Optional[Any] = None
     _node_mesh: Optional[Any] = None
 
     def __post_init__(self):
         if self.topology is None:
             self.topology = Topology(self.world_size, self.world_size)
+        self.kernels = self.kernels or self.device.type
 
     @property
     def is_main(self) -> bool:

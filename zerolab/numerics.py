@@ -7,7 +7,7 @@ Two ways to decide, with bitwise the same results (tests/test_numerics.py, tests
                  tensor, stops the run or skips the update at once
   on the device  (unlogged steps) the norm, the clip coefficient and the unscale multiplier stay
                  0-dim tensors; a non-finite norm skips through the optimizer's found-inf flag (or is
-                 noted), and `Pending.settle` says it, as the host would have, at the next logged
+                 noted), and `Pending.report` says it, as the host would have, at the next logged
                  step or checkpoint. Nothing is read on the host, so on CUDA the step never waits.
 
 The functions take the numbers they need and return the decision; the strategy applies it
@@ -15,6 +15,7 @@ The functions take the numbers they need and return the decision; the strategy a
 """
 from __future__ import annotations
 
+import enum
 import logging
 import math
 from dataclasses import dataclass, field
@@ -34,6 +35,16 @@ class NonFiniteGradient(ZerolabError):
     having stopped: nothing stopped, the numbers did)."""
 
     same_on_every_rank = True
+
+
+class Measure(enum.IntEnum):
+    """What a step measures about its update (Strategy.step, Trainer.measure): NOTHING on the hot
+    path (no timing sync, no norms: most steps); OPTIMIZER on a logged step (the optimizer step's
+    time, the global update-to-weight ratio, trust-ratio min/median/max); PER_TENSOR every
+    logging.layer_stats_every steps (also each tensor's update-to-weight ratio)."""
+    NOTHING = 0
+    OPTIMIZER = 1
+    PER_TENSOR = 2
 
 
 @dataclass
@@ -143,7 +154,7 @@ def multiply(grads: list[torch.Tensor], multiplier: "float | torch.Tensor") -> N
 # ---- what device-decided steps leave for the host -------------------------------------------------
 class Pending:
     """What steps decided on the device leave to be said: the first step whose norm was not finite
-    (-1: none) and how many updates were skipped, as device tensors, read by settle()."""
+    (-1: none) and how many updates were skipped, as device tensors, read by report()."""
 
     def __init__(self, device: torch.device):
         # torch.tensor: constants to a dry run (zerolab.precision.LossScaler says why)
@@ -155,7 +166,7 @@ class Pending:
         if skipped:
             self.count.add_(found.long())
 
-    def settle(self, scaler: LossScaler, skips: bool, now: int) -> None:
+    def report(self, scaler: LossScaler, skips: bool, now: int) -> None:
         """Say what the device decided, as the host path would have: raise NonFiniteGradient
         (trainer.nonfinite=stop without a loss scale) naming the first step whose norm was not
         finite; log the skipped updates; raise LossScaleUnderflow if an overflow would have taken
@@ -166,7 +177,7 @@ class Pending:
         if first >= 0 and not skips:
             raise NonFiniteGradient(f"{step_name(first)}: the gradient norm is not finite {later}; lower the lr, "
                                     "enable clipping (optim.grad_clip) or set trainer.nonfinite=skip")
-        scaler.settle()
+        scaler.raise_if_underflowed()
         if count and scaler.enabled:
             log.info("%d fp16 overflow(s) from %s on: updates skipped, loss scale now %g %s", count,
                      step_name(first), scaler.scale, later)

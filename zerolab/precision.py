@@ -53,7 +53,7 @@ class LossScaler:
     without the host knowing whether it overflowed (zerolab.numerics, on unlogged steps). The
     scale is fp64: powers of two, and the unscale multiplier coef/scale is then the same fp64
     division a Python float gives. A scale that would fall below min_scale is noted,
-    not applied; settle() raises LossScaleUnderflow for it (at once on a host-decided step)."""
+    not applied; raise_if_underflowed() raises LossScaleUnderflow for it (at once on a host-decided step)."""
 
     def __init__(self, cfg: PrecisionConfig, enabled: bool, device: torch.device = torch.device("cpu")):
         self.enabled = enabled
@@ -98,9 +98,9 @@ class LossScaler:
         self.scale_tensor.copy_(torch.where(found & ~underflow, halved,
                                             torch.where(grow, self.scale_tensor * 2, self.scale_tensor)))
         if isinstance(found_inf, bool):
-            self.settle()  # a host-decided step raises at once
+            self.raise_if_underflowed()  # a host-decided step raises at once
 
-    def settle(self) -> None:
+    def raise_if_underflowed(self) -> None:
         """Raise LossScaleUnderflow if an overflow would have taken the scale below min_scale."""
         if not self.enabled:
             return

@@ -26,6 +26,7 @@ from zerolab.digest import write_digest
 from zerolab.errors import ZerolabError
 from zerolab.models import build_model, count_params, lm_loss, param_groups
 from zerolab.models.blocks_report import say_blocks
+from zerolab.numerics import Measure
 from zerolab.optim import build_optimizer
 from zerolab.optim.schedule import LRSchedule
 from zerolab.precision import Precision
@@ -127,15 +128,15 @@ class Trainer:
         every = self.cfg.checkpoint.every
         return bool(every) and ((step + 1) % every == 0 or step + 1 == self.cfg.trainer.max_steps)
 
-    def stats_level(self, step: int, logged: bool) -> int:
+    def measure(self, step: int, logged: bool) -> Measure:
         """What the strategy measures about the update (Strategy.step): optimizer statistics cost
         norms and a device sync, so only on logged steps; per-tensor ratios every layer_stats_every.
         A step logged only because it is profiled measures none: its parts are then those of the
         steps a run does not log (most of them), which is also the step the time model predicts."""
         every = self.cfg.logging.layer_stats_every
         if not logged or not self._reports_step(step):
-            return 0
-        return 2 if every and (step + 1) % every == 0 else 1
+            return Measure.NOTHING
+        return Measure.PER_TENSOR if every and (step + 1) % every == 0 else Measure.OPTIMIZER
 
     # ---- one optimizer step --------------------------------------------------------------------
     def train_step(self, step: int):
@@ -157,7 +158,7 @@ class Trainer:
                 self.strategy.backward(watch.backward(loss / accum, last))
             losses.append(loss.detach())
         watch.at("optimizer")
-        info = self.strategy.step(lr, self.stats_level(step, logged))
+        info = self.strategy.step(lr, self.measure(step, logged))
         # The mean loss stays a tensor: reading it (a device sync on CUDA) only on logged steps.
         return torch.stack(losses).mean(), lr, info
 

@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass, field
 
 from zerolab.accounting.storage import CATEGORIES, MODEL_STATES
-from zerolab.precision import MIXED, state_bytes  # noqa: F401  (what predictions are written with)
+from zerolab.precision import COMPUTE_DTYPES, DTYPE_NAMES, MIXED, state_bytes  # noqa: F401  (what predictions are written with)
 
 GB, GIB = 1e9, 2 ** 30
 
@@ -78,7 +78,8 @@ def fmt_n(n: int) -> str:
 
 
 def dtype_name(precision: str) -> str:
-    return "fp32" if precision == "fp32" else ("fp16" if precision == "fp16" else "bf16")
+    """The name of a precision mode's compute dtype (bf16_pure computes in bf16), from the one map."""
+    return DTYPE_NAMES[COMPUTE_DTYPES[precision]]
 
 
 

@@ -59,7 +59,7 @@ class Checkpointer:
         A failure on any rank (disk full, say) fails the save on every rank together: outcomes
         are agreed by the collectives the save needs anyway, the temp directory is removed, the
         previous checkpoint stays as it was, and a CheckpointError says what happened."""
-        strategy.settle()  # a step decided on the device may have left non-finite weights: never save them
+        strategy.report_pending()  # a step decided on the device may have left non-finite weights: never save them
         ctx, name = self.ctx, f"step_{step:08d}"
         tmp, final = os.path.join(self.dir, f".tmp-{name}"), os.path.join(self.dir, name)
         if self.layout["buffers"] and self.model is None:

@@ -20,10 +20,10 @@ from dataclasses import dataclass, field
 
 from zerolab.errors import ConfigError
 
-# Fitted on torchtitan's Llama 3 8B under FSDP on 64 A100 80GB, 2,876 tokens/s per GPU (bisection:
-# 0.682 on 2026-12-04, after the recorder took FSDP2's DTensor ops as their local ops; docs/predict.md,
-# bench/predict_gpu.py): the fraction of every peak a step reaches. The H100 run (torchtitan's
-# Llama 3.1 8B on 8 H100) was not used to fit it: it is the model's prediction.
+# The fraction of every peak a step reaches: fitted by bisection on torchtitan's Llama 3 8B under FSDP
+# on 64 A100 80GB, 2,876 tokens/s per GPU (bench/predict_gpu.py; the fit's record is in
+# bench/RESULTS.md). The H100 run (torchtitan's Llama 3.1 8B on 8 H100) is not used to fit it: it is
+# the model's prediction (docs/predict.md).
 GPU_ACHIEVABLE = 0.68
 
 
@@ -127,7 +127,7 @@ def cpu_device(ranks: int, path: str = "") -> Device:
                   achievable=1.0, op_overhead_s=c["op_overhead_s"], host_sync=True, gloo=c.get("gloo", {}),
                   kernel_flops={name: c["attention_fp32"] for name in ATTENTION_KERNELS},
                   kernel_bandwidth={name: c["fused_adamw_bandwidth"] for name in FUSED_ADAM_KERNELS
-                                    if "fused_adamw_bandwidth" in c},  # (calibrations before 2026-12-04 lack it)
+                                    if "fused_adamw_bandwidth" in c},  # (an older calibration file lacks it)
                   meeting_s=c.get("meeting_s", 0.0),
                   overlap_rate=overlap_rate(int(cal.get("cores") or os.cpu_count() or 1), ranks))
 

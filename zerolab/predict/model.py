@@ -20,7 +20,8 @@ from zerolab.predict.topology import Network
 
 NOT_MODELLED = ("not modelled: the host's own time on a GPU (it is assumed to run ahead of the device), "
                 "on a GPU, compute slowed by communication running beside it, kernels fused or tuned differently "
-                "from the CPU kernels the dry run dispatched, data loading")
+                "from what the dry run dispatched (CUDA's attention, dropout and layer norm on a GPU; the CPU's "
+                "other kernels), data loading")
 
 
 @dataclass

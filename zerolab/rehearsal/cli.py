@@ -28,7 +28,8 @@ FIGURES = [  # (key of the run's per-rank figures, row label)
 def format_rehearsal(r: Rehearsal) -> str:
     head = (f"dry run of rank {r.rank} of {r.world}: model {r.model}"
             + (f" ({r.n_params:,} parameters)" if r.n_params else "")
-            + f" | strategy {r.strategy} | precision {r.precision}")
+            + f" | strategy {r.strategy} | precision {r.precision}"
+            + (" | CUDA's kernels (attention, dropout, layer norm)" if r.kernels == "cuda" else ""))
     blocks = [blocks_line(r.blocks)] if r.blocks else []  # last: which modules the job takes as its blocks
     if r.not_rehearsed:
         lines = [head, f"not rehearsed: {r.not_rehearsed}.", "the ledger's prediction for this rank:"]
@@ -70,7 +71,9 @@ def cli_main(argv: list[str]) -> int:
         if args.hardware:  # refused before anything is rehearsed; the dry run's nodes are the prediction's
             topo = predict_cli.topology(args, args.world, cfg.dist.ranks_per_node)
             cfg.dist.ranks_per_node = predict_cli.ranks_per_node(topo) or cfg.dist.ranks_per_node
-        result = rehearse([], args.world, args.rank, record=topo is not None, cfg=cfg)
+        # A GPU named by --hardware: the rehearsal runs what CUDA runs where its kernels differ
+        target = "cuda" if args.hardware and args.hardware != "cpu" else ""
+        result = rehearse([], args.world, args.rank, record=topo is not None, cfg=cfg, target=target)
         prediction = predict_cli.priced(result, topo) if topo is not None and result.record is not None else None
     except ConfigError as err:
         print(f"zerolab dry-run: {err}", file=sys.stderr)

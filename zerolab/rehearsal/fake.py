@@ -29,6 +29,7 @@ import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 
 from zerolab import dist as zdist
+from zerolab.activations import cuda_attention_kernel
 from zerolab.errors import ZerolabError
 from zerolab.topology import topology_for
 
@@ -105,9 +106,10 @@ class RehearsalContext(zdist.DistContext):
             return super().node_mesh()
 
 
-def join_fake_world(world: int, rank: int, ranks_per_node: int = 0) -> RehearsalContext:
+def join_fake_world(world: int, rank: int, ranks_per_node: int = 0, target: str = "cpu") -> RehearsalContext:
     """The fake process group; its nodes are dist.ranks_per_node's when set (else one node), so the
-    comm counter and the predictor's record see which groups cross nodes."""
+    comm counter and the predictor's record see which groups cross nodes. `target`: the device
+    type whose kernels the rehearsal dispatches (target_kernels), which the ledger then predicts."""
     if dist.is_initialized():
         raise ZerolabError("a dry run needs a process without a process group (it makes a fake one)")
     register_fake_backend()
@@ -115,4 +117,89 @@ def join_fake_world(world: int, rank: int, ranks_per_node: int = 0) -> Rehearsal
     host = dist.new_group(backend="fake") if world > 1 else None
     return RehearsalContext(rank=rank, local_rank=0, world_size=world, device=torch.device("cpu"), backend="fake",
                             store=None, host_group=host,
-                            topology=topology_for(ranks_per_node, world) if ranks_per_node > 0 else None)
+                            topology=topology_for(ranks_per_node, world) if ranks_per_node > 0 else None,
+                            kernels=target)
+
+
+# ---- the target's kernels ------------------------------------------------------------------------
+# A rehearsal runs on the CPU, so torch dispatches CPU kernels. Where a CUDA kernel saves other
+# tensors for backward, or does other work, a rehearsal for a GPU runs what CUDA runs, on the same
+# fake tensors (their meta kernels give CUDA's shapes; the autograd formulas are device-agnostic):
+#  - attention (F.scaled_dot_product_attention): with dropout the CPU falls back to the math path,
+#    which keeps every b·a·s² score, dropout and probability matrix; CUDA runs its flash kernel
+#    (fp16/bf16, no explicit mask, head dim <= 256 and a multiple of 8: output, an fp32 logsumexp
+#    and its RNG state saved) or its memory-efficient one (any float dtype, a mask as an additive
+#    bias; its logsumexp padded to 32 rows), in torch's default order (flash, memory-efficient,
+#    math; torch._C._get_sdp_priority_order()).
+#  - dropout (F.dropout): the CPU draws a noise tensor in the input's dtype and multiplies, saving
+#    the noise (2 or 4 bytes per element); CUDA's fused native_dropout saves a bool mask (1 byte).
+#  - layer norm (F.layer_norm): the CPU kernel keeps each row's mean and rstd in the input's dtype,
+#    CUDA's in fp32; both save the input, weight and bias.
+# What stays the CPU's: the math attention for a case neither fused kernel takes (the CPU's upcasts
+# 16-bit inputs to fp32, CUDA's does not). The ledger counts CUDA's kernels (zerolab.activations,
+# device "cuda"), and a GPU-target dry run of zerolab's GPT equals it.
+@contextlib.contextmanager
+def target_kernels(target: str):
+    """While the rehearsal runs: F.scaled_dot_product_attention and F.dropout dispatch what CUDA runs
+    when `target` is "cuda" (the comment above says what and why); a "cpu" target changes nothing,
+    so a dry run of a CPU job still equals a real one to the byte."""
+    if target != "cuda":
+        yield
+        return
+    functional = torch.nn.functional
+    attention, dropout = functional.scaled_dot_product_attention, functional.dropout
+
+    def cuda_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                       enable_gqa=False):
+        kernel = cuda_attention_kernel(query.dtype in (torch.float16, torch.bfloat16), query.shape[-1],
+                                       query.dtype == torch.float32, masked=attn_mask is not None,
+                                       grouped=enable_gqa and key.shape[-3] != query.shape[-3],
+                                       same_dims=key.shape[-1] == query.shape[-1] == value.shape[-1])
+        if kernel == "flash":
+            return torch.ops.aten._scaled_dot_product_flash_attention(
+                query, key, value, dropout_p, is_causal, False, scale=scale)[0]
+        if kernel == "efficient":
+            if attn_mask is not None and attn_mask.dtype == torch.bool:  # as SDPA turns a bool mask into a bias
+                attn_mask = torch.zeros(attn_mask.shape, dtype=query.dtype).masked_fill_(~attn_mask, float("-inf"))
+            grads = any(t.requires_grad for t in (query, key, value))
+            return torch.ops.aten._scaled_dot_product_efficient_attention(
+                query, key, value, attn_mask, grads, dropout_p, is_causal, scale=scale)[0]
+        return attention(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+                         scale=scale, enable_gqa=enable_gqa)
+
+    def cuda_dropout(input, p=0.5, training=True, inplace=False):
+        if not training or inplace or not 0.0 < p < 1.0:  # where CUDA takes the same path as the CPU
+            return dropout(input, p, training, inplace)
+        return torch.ops.aten.native_dropout(input, p, True)[0]
+
+    def cuda_layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5):
+        return _CudaLayerNorm.apply(input, tuple(normalized_shape), weight, bias, eps)
+
+    layer_norm = functional.layer_norm
+    functional.scaled_dot_product_attention, functional.dropout = cuda_attention, cuda_dropout
+    functional.layer_norm = cuda_layer_norm
+    try:
+        yield
+    finally:
+        functional.scaled_dot_product_attention, functional.dropout = attention, dropout
+        functional.layer_norm = layer_norm
+
+
+class _CudaLayerNorm(torch.autograd.Function):
+    """native_layer_norm saving what CUDA's kernel saves: the input, weight and bias, and each row's
+    mean and rstd in fp32 (the CPU kernel's are in the input's dtype)."""
+
+    @staticmethod
+    def forward(ctx, input, normalized_shape, weight, bias, eps):
+        out, mean, rstd = torch.ops.aten.native_layer_norm(input, normalized_shape, weight, bias, eps)
+        ctx.normalized_shape = normalized_shape
+        ctx.save_for_backward(input, weight, bias, mean.float(), rstd.float())
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        input, weight, bias, mean, rstd = ctx.saved_tensors
+        dx, dw, db = torch.ops.aten.native_layer_norm_backward(
+            grad, input, ctx.normalized_shape, mean.to(input.dtype), rstd.to(input.dtype), weight, bias,
+            [True, weight is not None, bias is not None])
+        return dx, None, dw, db, None

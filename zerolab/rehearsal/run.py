@@ -33,7 +33,7 @@ from zerolab.models import build_model
 from zerolab.models.blocks_report import describe_blocks
 from zerolab.predict import cli as predict_cli
 from zerolab.predict.record import StepRecord, record_steps
-from zerolab.rehearsal.fake import RehearsalMode, join_fake_world, whole_windows
+from zerolab.rehearsal.fake import RehearsalMode, join_fake_world, target_kernels, whole_windows
 from zerolab.schema import FaultConfig, ProfileConfig
 from zerolab.strategies import strategy_class
 from zerolab.trainer import Trainer
@@ -58,7 +58,8 @@ class Rehearsal:
     measured: dict = field(default_factory=dict)  # the run's figure keys (mem/...), as a real run logs them
     predicted: dict = field(default_factory=dict)  # the ledger's, under the same keys (None where it has no model)
     peaks: list = field(default_factory=list)  # mem/peak_bytes of every rehearsed step
-    not_rehearsed: str = ""  # why not, for a strategy that cannot run on fake tensors (its traits.rehearsable)
+    not_rehearsed: str = ""  # why not, for a strategy that cannot run on fake tensors (its traits.not_rehearsable)
+    kernels: str = "cpu"  # the device type whose kernels ran the step (fake.target_kernels)
     blocks: dict = field(default_factory=dict)  # the repeated blocks the run takes (models.blocks_report)
     comm: dict = field(default_factory=dict)  # the strategy's comm counter, last step: comm_bytes, by link
     # With record=True: the last rehearsed step as the time model reads it (zerolab.predict.record),
@@ -95,17 +96,19 @@ def for_rehearsal(cfg):
 
 
 def rehearse(overrides: list[str], world: int, rank: int = 0, record: bool = False, quick: bool = False,
-             cfg=None) -> Rehearsal:
+             cfg=None, target: str = "") -> Rehearsal:
     """Rank `rank` of a `world`-rank job configured by `overrides` (train.py's), rehearsed in this
     process. Rank 0 by default: where shards are uneven (FSDP2's), the first ranks hold the most.
     `record`: also record what each step does, for the time model (Rehearsal.record); `quick`:
     for the record only (one logged step before it, not until the memory's peak repeats). `cfg`:
-    a job's validated config instead of overrides (a run directory's: zerolab.predict.runs)."""
+    a job's validated config instead of overrides (a run directory's: zerolab.predict.runs).
+    `target`: the device type whose kernels run the step ("cpu" or "cuda": fake.target_kernels);
+    default the job's (dist.device=cuda: cuda, else cpu)."""
     if not 0 <= rank < world:
         raise ConfigError(f"--rank {rank} is not a rank of a {world}-rank job (0 to {world - 1})")
     cfg = rehearsal_config(overrides, world) if cfg is None else for_rehearsal(cfg)
     out = Rehearsal(world, rank, cfg.strategy.name, cfg.model.name, cfg.precision.name)
-    why_not = strategy_class(cfg.strategy.name).traits.rehearsable
+    why_not = strategy_class(cfg.strategy.name).traits.not_rehearsable
     if why_not:
         out.blocks = describe_blocks(build_model(cfg.model, device="meta"), cfg.model.blocks)
         out.not_rehearsed = why_not
@@ -114,10 +117,11 @@ def rehearse(overrides: list[str], world: int, rank: int = 0, record: bool = Fal
     start = time.perf_counter()
     if record:
         out.flops_per_token = predict_cli.model_flops_per_token(cfg)
-    ctx = join_fake_world(world, rank, cfg.dist.ranks_per_node)
+    target = out.kernels = target or ("cuda" if cfg.dist.device == "cuda" else "cpu")
+    ctx = join_fake_world(world, rank, cfg.dist.ranks_per_node, target)
     try:
         with tempfile.TemporaryDirectory(prefix="zerolab-dry-run-") as run_dir, RehearsalMode(), \
-                _this_rank_only(rank):
+                target_kernels(target), _this_rank_only(rank):
             trainer = Trainer(cfg, ctx, run_dir=run_dir)  # (imports transformers for model=hf)
             out.blocks = trainer.blocks
             try:

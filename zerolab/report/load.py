@@ -21,9 +21,9 @@ from typing import Optional
 from zerolab.report.runs import step_times
 
 # Runnable processes beyond the cores (or the job's own ranks) before a job counts as loaded. A quiet
-# sweep's own two ranks hold the 1-minute average near 2 on 2 cores (1.6 and 2.3 at the end of the
-# two quiet runs of bench/RESULTS.md, 2026-12-01); jobs beside other work read 2.7-7.8 runnable
-# processes (bench/RESULTS.md, "The default job beside a CPU-heavy job"): the margin lies between.
+# sweep's own two ranks hold the 1-minute average near 2 on 2 cores (1.6-2.3 in quiet runs of the
+# default job); jobs beside other work read 2.7-7.8 runnable processes (both in bench/RESULTS.md, "The
+# default job beside a CPU-heavy job"): the margin lies between.
 LOADED_MARGIN = 0.5
 LOAD_WINDOW_S = 60.0  # the kernel's 1-minute average decays as exp(-t / 60 s)
 NOT_CALLED = "not called"

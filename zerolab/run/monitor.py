@@ -26,7 +26,7 @@ class MemoryMonitor:
         self.predicted = ledger_for_run(cfg, world, model, ctx.topology.per_node)  # model states per rank, or None
         # The activations are predicted for zerolab's own models only (zerolab.activations).
         act = predict_activations(cfg.model, cfg.data.micro_batch, precision=cfg.precision.name,
-                                  device=ctx.device.type) if isinstance(model, tuple(MODELS.values())) else None
+                                  device=ctx.kernels) if isinstance(model, tuple(MODELS.values())) else None
         self.activations_predicted = act.bytes if act else None
         self.peak_predicted = peak_for_run(self.predicted, act, cfg.model, cfg.data.micro_batch, cfg.model.block_size)
         # One recomputed checkpointed block, from the formula: the meter sees the forward only.

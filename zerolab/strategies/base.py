@@ -8,7 +8,7 @@ A strategy is a small core plus what it declares (docs/writing-a-strategy.md lis
 
   declared   name, traits (what it is: Traits below), checkpoint_format
   required   setup, step, memory, consolidated_state_dict
-  optional   backward, no_sync, close, restore_step, settle; checkpoint_state and
+  optional   backward, no_sync, close, restore_step, report_pending; checkpoint_state and
              load_checkpoint_state for checkpoint_format "pieces" (a "native" one also mixes in
              strategies/native.py's NativeCheckpoint)
   classes    check_config, reads, label, known_cause, lossy, predict_memory, memory_identity
@@ -35,7 +35,7 @@ from zerolab.accounting import CATEGORIES
 from zerolab.comm import CommCounter
 from zerolab.dist import DistContext
 from zerolab.errors import ConfigError
-from zerolab.numerics import StepInfo
+from zerolab.numerics import Measure, StepInfo
 from zerolab.precision import Precision
 from zerolab.precision_modes import MODE_KEYS, Mode, lossy_settings
 from zerolab.schema import Config, StrategySettings, settings_for
@@ -63,7 +63,7 @@ class Traits:
     zerolab_sharder: bool = False  # zerolab's own ZeRO (bench/zero.py times these by default)
     sharded_grads: bool = False  # each rank holds only part of the gradient: the norm is all-reduced
     needs_blocks: bool = False  # a model without repeated blocks is refused before any rank trains
-    rehearsable: str = ""  # "" when `python -m zerolab dry-run` can run it on fake tensors; else why not
+    not_rehearsable: str = ""  # why `python -m zerolab dry-run` cannot run it on fake tensors ("": it can)
     uneven_memory: bool = False  # ranks hold different amounts: the ledger predicts every rank
     sweep_stages: tuple = (0,)  # strategy.stage values `memory --sweep-world` gives a row; () none
     memory_reference: Optional[tuple] = None  # (strategy, stage) of another implementation, shown beside
@@ -145,12 +145,11 @@ class Strategy(abc.ABC):
         (loss * scaler.scale_tensor.to(loss.dtype) if scaler.enabled else loss).backward()
 
     @abc.abstractmethod
-    def step(self, lr: float, stats_level: int = 0) -> StepInfo:
+    def step(self, lr: float, measure: Measure = Measure.NOTHING) -> StepInfo:
         """Finish gradient reduction, unscale, clip by global norm, update, zero gradients; count
-        the step (step_count += 1, skipped or not). `stats_level`: what to measure about the
-        update, 0 = nothing (the hot path: no timing sync, no norms), 1 = optimizer step time,
-        global update-to-weight ratio, trust-ratio min/median/max, 2 = also the update-to-weight
-        ratio of every tensor (in StepInfo.extra). A strategy may measure less than asked."""
+        the step (step_count += 1, skipped or not). `measure`: what to measure about the
+        update (numerics.Measure: nothing on the hot path; the optimizer's statistics; also every
+        tensor's update-to-weight ratio, in StepInfo.extra). A strategy may measure less than asked."""
 
     @abc.abstractmethod
     def memory(self) -> dict[str, int]:
@@ -170,13 +169,13 @@ class Strategy(abc.ABC):
         schedule and the step named in messages count from it). Called after the state is loaded."""
         self.step_count = step
 
-    def settle(self) -> None:
-        """Say what steps decided on the device left pending (numerics.Pending.settle): a
+    def report_pending(self) -> None:
+        """Say what steps decided on the device left pending (numerics.Pending.report): a
         non-finite norm that stops the run, skipped updates, a loss-scale underflow. The trainer's
         logged steps and zerolab.checkpoint call it, so a non-finite weight is never saved or logged."""
         pending, self._pending = self._pending, None
         if pending is not None:
-            pending.settle(self.precision.scaler, self._skips(), self.step_count - 1)
+            pending.report(self.precision.scaler, self._skips(), self.step_count - 1)
 
     # ---- checkpoints, format "pieces" ------------------------------------------------------------
     # A rank's checkpoint state is a set of pieces "<kind>/<param name>" -> ShardPiece, where kind
@@ -258,17 +257,17 @@ class Strategy(abc.ABC):
         return cls.name, cls.traits.stage
 
     # ---- the step's arithmetic, applied (zerolab/numerics.py) ------------------------------------
-    def _update(self, grads: list[torch.Tensor], stats_level: int = 0) -> StepInfo:
+    def _update(self, grads: list[torch.Tensor], measure: Measure = Measure.NOTHING) -> StepInfo:
         """Given this rank's fp32 gradients (whole tensors or shards: traits.sharded_grads), the
         global norm from local sums of squares (one all-reduce when sharded), then one multiply
         that unscales and clips, then the update unless it must be skipped. An unlogged step
-        (stats_level 0) decides on the device when it can (_decides_on_device); a logged one on
+        (Measure.NOTHING) decides on the device when it can (_decides_on_device); a logged one on
         the host, naming the non-finite tensor."""
-        if stats_level:
-            self.settle()  # a logged step reads the host anyway
+        if measure:
+            self.report_pending()  # a logged step reads the host anyway
         sharded = self.traits.sharded_grads and self.ctx.world_size > 1
         sq = numerics.norm_sq(grads, self.ctx.device, self._all_reduce if sharded else None)
-        if not stats_level and self._decides_on_device(grads):
+        if not measure and self._decides_on_device(grads):
             return self._update_on_device(grads, sq)
         scaler = self.precision.scaler
         decision = numerics.decide_on_host(sq, scaler.scale if scaler.enabled else 1.0, self.cfg.optim.grad_clip)
@@ -279,13 +278,13 @@ class Strategy(abc.ABC):
             self.step_count += 1
             return StepInfo(grad_norm=decision.norm, grad_norm_clipped=decision.norm, skipped=True)
         numerics.multiply(grads, decision.multiplier)
-        extra = self._optimizer_step(stats_level)
+        extra = self._optimizer_step(measure)
         self.step_count += 1
         return StepInfo(grad_norm=decision.norm, grad_norm_clipped=decision.norm * decision.coef, extra=extra)
 
     def _update_on_device(self, grads: list[torch.Tensor], sq: torch.Tensor) -> StepInfo:
         """The host path's decision as 0-dim tensors: a non-finite norm either skips the update on
-        the optimizer's device flag (the loss scale halves on the device), or is noted for settle()."""
+        the optimizer's device flag (the loss scale halves on the device), or is noted for report_pending()."""
         scaler = self.precision.scaler
         d = numerics.decide_on_device(sq, scaler.scale_tensor if scaler.enabled else None, self.cfg.optim.grad_clip)
         if d.multiplier is not None:
@@ -296,7 +295,7 @@ class Strategy(abc.ABC):
         self._pending.note(d.found, self.step_count, skipped=skips)
         if skips:
             scaler.update(d.found, self.step_count)
-        extra = self._optimizer_step(0, d.found if skips else None)
+        extra = self._optimizer_step(Measure.NOTHING, d.found if skips else None)
         self.step_count += 1
         return StepInfo(grad_norm=d.norm, grad_norm_clipped=d.clipped, extra=extra, skipped=d.found if skips else False)
 
@@ -310,7 +309,7 @@ class Strategy(abc.ABC):
         when a non-finite norm must skip the update, an optimizer that can skip on a device flag
         (ZerolabOptimizer.skips_on_device: torch's fused Adam/AdamW/SGD kernels). When the run
         stops on a non-finite norm instead, nothing has to be skipped: the update goes ahead and
-        settle() stops the run before its weights are saved or logged."""
+        report_pending() stops the run before its weights are saved or logged."""
         if not all(type(g) is torch.Tensor for g in grads):
             return False
         if not self._skips():
@@ -327,11 +326,11 @@ class Strategy(abc.ABC):
         return "a gradient is not finite"
 
     # ---- watching the optimizer ----------------------------------------------------------------
-    def _optimizer_step(self, level: int, skip: Optional[torch.Tensor] = None) -> dict:
-        """The optimizer's update, measured as `level` asks (see step); a no-op where the device
+    def _optimizer_step(self, measure: Measure, skip: Optional[torch.Tensor] = None) -> dict:
+        """The optimizer's update, measured as `measure` asks (see step); a no-op where the device
         flag `skip` is set (only passed to an optimizer whose skips_on_device() said yes)."""
         opt = self.optimizer
-        if not level:
+        if not measure:
             opt.step() if skip is None else opt.step_unless(skip)
             self._note_working_copies()
             return {}
@@ -349,7 +348,7 @@ class Strategy(abc.ABC):
         extra = {"optim_step_s": time.perf_counter() - t0}
         self._note_working_copies()
         if tracks:
-            extra.update(self._update_ratios(opt.pop_update_stats(), per_tensor=level > 1))
+            extra.update(self._update_ratios(opt.pop_update_stats(), per_tensor=measure >= Measure.PER_TENSOR))
             extra.update(opt.step_stats())
         return extra
 

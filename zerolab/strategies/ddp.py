@@ -19,7 +19,7 @@ from zerolab.models import place
 from zerolab.precision import COMPUTE_BYTES
 from zerolab.precision import MasterCopy
 from zerolab.precision_modes import Mode, master_term, working_bytes_per_element
-from zerolab.numerics import StepInfo
+from zerolab.numerics import Measure, StepInfo
 from zerolab.schema import DDPSettings
 from zerolab.strategies.base import (PRECISION_MODE_SETTINGS, ZEROLAB_STEP_SETTINGS, OptimizerFactory, ShardPiece,
                                      Strategy, Traits, precision_lossy, set_lr)
@@ -81,7 +81,7 @@ class DDPStrategy(Strategy):
     def _optimizer_params(self) -> list[torch.Tensor]:
         return self.master.master if self.master else self.params
 
-    def step(self, lr: float, stats_level: int = 0) -> StepInfo:
+    def step(self, lr: float, measure: Measure = Measure.NOTHING) -> StepInfo:
         set_lr(self.optimizer, lr)
         if self.master:
             self.master.grads_to_master()
@@ -90,7 +90,7 @@ class DDPStrategy(Strategy):
             copies = sum(m.grad.untyped_storage().nbytes() for m in self.master.master if m.grad is not None)
             self.transient.alloc(copies, "step")
         grads = [p.grad for p in self._optimizer_params() if p.grad is not None]
-        info = self._update(grads, stats_level)
+        info = self._update(grads, measure)
         if self.master:
             if not info.known_skipped:
                 self.master.master_to_model()

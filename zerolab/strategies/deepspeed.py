@@ -31,7 +31,7 @@ from zerolab.accounting import NotPredicted, StorageCounter
 from zerolab.buckets import bucket_cap
 from zerolab.errors import ConfigError, ZerolabError
 from zerolab.precision import COMPUTE_BYTES
-from zerolab.numerics import StepInfo
+from zerolab.numerics import Measure, StepInfo
 from zerolab.schema import DeepSpeedSettings
 from zerolab.strategies.base import Lossy, OptimizerFactory, Strategy, Traits, larger_of, set_lr
 from zerolab.strategies.deepspeed_checkpoint import DeepSpeedCheckpointing
@@ -177,8 +177,9 @@ class DeepSpeedStrategy(DeepSpeedCheckpointing, Strategy):
                     comm_extra="DeepSpeed all-reduces each gradient bucket (2Ψ) where the paper reduce-scatters it "
                                "(Ψ): its use_multi_rank_bucket_allreduce, on by default; then it all-gathers the "
                                "parameters (Ψ)",
-                    rehearsable="DeepSpeed's engine cannot run on fake tensors (stages 1 and 2 move the module with "
-                                ".to(), stage 3 checks parameters across ranks by their data at its first forward)")
+                    not_rehearsable="DeepSpeed's engine cannot run on fake tensors (stages 1 and 2 move the module "
+                                    "with .to(), stage 3 checks parameters across ranks by their data at its first "
+                                    "forward)")
 
     @classmethod
     def reads(cls, key: str, cfg) -> bool:
@@ -289,8 +290,8 @@ class DeepSpeedStrategy(DeepSpeedCheckpointing, Strategy):
     def backward(self, loss: torch.Tensor) -> None:
         self.engine.backward(loss, scale_wrt_gas=False)  # the trainer divided by accum already
 
-    def step(self, lr: float, stats_level: int = 0) -> StepInfo:
-        """DeepSpeed's engine steps; `stats_level` is not measured (the optimizer is DeepSpeed's)."""
+    def step(self, lr: float, measure: Measure = Measure.NOTHING) -> StepInfo:
+        """DeepSpeed's engine steps; `measure` is not measured (the optimizer is DeepSpeed's)."""
         set_lr(self.optimizer, lr)
         self._step_mem = self._measure()  # gradients exist now; DeepSpeed frees some after the step
         skipped_before = self.engine.skipped_steps

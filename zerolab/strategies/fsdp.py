@@ -27,7 +27,7 @@ from torch.distributed.tensor import DTensor
 from zerolab.accounting import MIXED, StorageCounter, ceil_div, dtype_name, element_states, fmt_n, state_bytes
 from zerolab.models import find_blocks, place
 from zerolab.precision import COMPUTE_BYTES
-from zerolab.numerics import StepInfo
+from zerolab.numerics import Measure, StepInfo
 from zerolab.schema import StrategySettings
 from zerolab.strategies.base import OptimizerFactory, Strategy, Traits, larger_of, set_lr
 
@@ -111,11 +111,11 @@ class FSDPStrategy(Strategy):
             self.model.set_requires_gradient_sync(True)
             self._sync = True
 
-    def step(self, lr: float, stats_level: int = 0) -> StepInfo:
+    def step(self, lr: float, measure: Measure = Measure.NOTHING) -> StepInfo:
         set_lr(self.optimizer, lr)
         grads = [_local(q.grad) for q in self.params if q.grad is not None]
         self._step_mem = self._measure()
-        info = self._update(grads, stats_level)
+        info = self._update(grads, measure)
         self.optimizer.zero_grad(set_to_none=True)
         return info
 

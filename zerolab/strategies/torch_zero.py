@@ -20,7 +20,7 @@ import torch.nn as nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from zerolab.accounting import MIXED, StorageCounter, ceil_div, fmt_n, state_bytes
-from zerolab.numerics import StepInfo
+from zerolab.numerics import Measure, StepInfo
 from zerolab.strategies.base import PRECISION_MODE_SETTINGS, OptimizerFactory
 from zerolab.strategies.ddp import DDPStrategy
 
@@ -62,8 +62,8 @@ class TorchZeroStrategy(DDPStrategy):
         self.broadcast_elem = self._optimizer_params()[0].element_size()
         return module
 
-    def step(self, lr: float, stats_level: int = 0) -> StepInfo:
-        info = super().step(lr, stats_level)
+    def step(self, lr: float, measure: Measure = Measure.NOTHING) -> StepInfo:
+        info = super().step(lr, measure)
         if not info.known_skipped and self.ctx.world_size > 1:
             self.comm.record("broadcast", self.broadcast_numel, self.broadcast_elem)
         return info

@@ -61,7 +61,7 @@ from zerolab.master import derived_weight
 from zerolab.accounting import StorageCounter
 from zerolab.models import place
 from zerolab.optim.segments import FlatShard, Segment
-from zerolab.numerics import StepInfo
+from zerolab.numerics import Measure, StepInfo
 from zerolab.schema import ZeroSettings
 from zerolab.strategies.base import PRECISION_MODE_SETTINGS, ZEROLAB_STEP_SETTINGS, OptimizerFactory, Strategy, \
     Traits, precision_lossy, set_lr
@@ -281,12 +281,12 @@ class ZeroBase(ZeroPieces, ShardGrads, Strategy):
             self.next_launch = 0
 
     # ---- step -------------------------------------------------------------------------------
-    def step(self, lr: float, stats_level: int = 0) -> StepInfo:
+    def step(self, lr: float, measure: Measure = Measure.NOTHING) -> StepInfo:
         set_lr(self.optimizer, lr)
         self._drain()
         self._average_replicas(self._all_grad_shards())
         with self._fp32_grads():
-            info = self._update(self._shard_grads(), stats_level)
+            info = self._update(self._shard_grads(), measure)
         if not info.known_skipped:
             self._all_gather_params(wait=False)  # completes behind the next forward
         for grad in self._all_grad_shards():

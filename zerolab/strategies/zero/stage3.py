@@ -83,6 +83,7 @@ import torch.nn as nn
 
 from zerolab.buckets import MAX_LIVE_BUCKETS, bucket_cap, pack_units
 from zerolab.master import derived_weight
+from zerolab.numerics import Measure
 from zerolab.accounting import StorageCounter
 from zerolab.models import block_of_parameters, find_blocks
 from zerolab.models.recompute import tensors_in
@@ -342,17 +343,17 @@ class Zero3Strategy(Zero2Strategy):
         return [[torch.zeros(g.master.numel(), dtype=self.reduce_dtype, device=self.ctx.device)] for g in self.groups]
 
     # ---- step -------------------------------------------------------------------------------
-    def step(self, lr: float, stats_level: int = 0):
+    def step(self, lr: float, measure: Measure = Measure.NOTHING):
         set_lr(self.optimizer, lr)
         self._drain()
         self._average_replicas(self._all_grad_shards())  # HSDP: across nodes (base.py)
         with self._fp32_grads():
-            info = self._update([g.master.grad for g in self.groups], stats_level)
+            info = self._update([g.master.grad for g in self.groups], measure)
         if not info.known_skipped:
             self._refresh_local()  # the next forward all-gathers the new weights: no all-gather here
         for shard in self._all_grad_shards():
             shard.zero_()
-        if stats_level and self._weight_error:  # qwZ, a logged step: the loss band's forward term (docs/nodes.md)
+        if measure and self._weight_error:  # qwZ, a logged step: the loss band's forward term (docs/nodes.md)
             info.extra["qwz_weight_error_bound"] = math.sqrt(sum(self._weight_error.values()).item())
         return info
 
