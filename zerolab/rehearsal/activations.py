@@ -27,36 +27,12 @@ def activation_model(mcfg, seq: int, precision: str):
     also saves are measured directly: the model without checkpointing runs each block under the
     selective policy's caching mode alone (no checkpoint: autograd saves as usual, the meter sees
     it), and the kept outputs whose storages the meter counted are subtracted."""
-    from zerolab.accounting import ActivationMeter
     from zerolab.activations import ActivationPrediction
-    from zerolab.models import build_model, find_blocks, lm_loss, place
-    from zerolab.models.recompute import kept_while
-
     from zerolab.precision import Precision
     from zerolab.schema import PrecisionConfig
 
     dtype = Precision.from_config(PrecisionConfig(name=precision)).compute_dtype
-    measured, n_blocks = {}, 0
-    with RehearsalMode(), whole_windows():
-        for mode in (*MODES, "kept"):  # kept: the plain model, each block under the selective policy alone
-            built = "none" if mode == "kept" else mode
-            model = build_model(dataclasses.replace(mcfg, block_size=seq, activation_checkpointing=built, weights=""),
-                                device="cpu")
-            place(model, torch.device("cpu"), dtype).train()
-            found = find_blocks(model, mcfg.blocks)
-            n_blocks = len(found.modules) if found is not None else 0
-            if mode != "none" and not n_blocks:
-                break
-            for b in (1, 2, 3):
-                ids = torch.zeros(b, seq + 1, dtype=torch.long)
-                kept: list[torch.Tensor] = []
-                with ActivationMeter(model) as meter, kept_while(found.modules if mode == "kept" else [], kept):
-                    lm_loss(model(ids[:, :-1]), ids[:, 1:])
-                if mode != "kept":
-                    measured[mode, b] = meter.bytes
-                else:  # the kept outputs the plain forward saves too, each storage once
-                    read = {t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in kept if meter.holds(t)}
-                    measured[mode, b] = sum(read.values())
+    measured, n_blocks = _measured(mcfg, seq, dtype)
 
     def at(mode: str, micro_batch: int) -> int:
         return (measured[mode, 1] if micro_batch == 1
@@ -74,3 +50,34 @@ def activation_model(mcfg, seq: int, precision: str):
         return pred
 
     return predict
+
+
+def _measured(mcfg, seq: int, dtype) -> tuple[dict, int]:
+    """{(mode, micro-batch): bytes} for MODES and "kept" (the kept outputs the plain forward also
+    saves: the model without checkpointing, each block under the selective policy alone), at
+    micro-batches 1, 2 and 3; and the number of blocks (0: no mode but none is measured)."""
+    from zerolab.accounting import ActivationMeter
+    from zerolab.accounting.storage import storage_key
+    from zerolab.models import build_model, find_blocks, lm_loss, place
+    from zerolab.models.recompute import kept_while
+
+    measured, n_blocks = {}, 0
+    with RehearsalMode(), whole_windows():
+        for mode in (*MODES, "kept"):
+            built = "none" if mode == "kept" else mode
+            model = build_model(dataclasses.replace(mcfg, block_size=seq, activation_checkpointing=built, weights=""),
+                                device="cpu")
+            place(model, torch.device("cpu"), dtype).train()
+            found = find_blocks(model, mcfg.blocks)
+            n_blocks = len(found.modules) if found is not None else 0
+            if mode != "none" and not n_blocks:
+                break
+            for b in (1, 2, 3):
+                ids = torch.zeros(b, seq + 1, dtype=torch.long)
+                kept: list[torch.Tensor] = []
+                with ActivationMeter(model) as meter, kept_while(found.modules if mode == "kept" else [], kept):
+                    lm_loss(model(ids[:, :-1]), ids[:, 1:])
+                # kept: the kept outputs whose storages autograd saved too, each storage once
+                read = {storage_key(t): t.untyped_storage().nbytes() for t in kept if meter.holds(t)}
+                measured[mode, b] = sum(read.values()) if mode == "kept" else meter.bytes
+    return measured, n_blocks
