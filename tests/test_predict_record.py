@@ -120,6 +120,7 @@ def test_the_recorded_flops_are_the_models_matmuls():
     assert backward == pytest.approx(tokens * (4 * matmul + 2.5 * attention), rel=1e-9)
 
 
+@pytest.mark.slow  # in-process, but several seconds: kept out of the 2-minute fast tier
 def test_recomputation_is_recorded_and_priced_selective_between_none_and_blocks():
     """The recorder sees the ops that run, recomputation included (2 FLOPs per weight per token
     per matmul). Torch's non-reentrant checkpoint stops a recomputation as soon as the tensors its
