@@ -237,3 +237,18 @@ def test_checkpointing_under_sharded_strategies(tmp_path, strategy, request):
         for key in ("mem/peak_bytes", "mem/peak_activations_bytes", "mem/peak_transient_bytes",
                     "mem/peak_model_states_bytes"):
             assert dry[key] == real[key], (strategy, key, dry[key], real[key])
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_selective_on_a_gpu_target_equals_the_cuda_ledger(precision):
+    """A CUDA target's dry run (zerolab.rehearsal: CUDA's attention kernels, memory-efficient for
+    fp32, flash for bf16, with dropout) keeps the kernel's outputs under selective checkpointing, its
+    RNG state and padded or unpadded logsumexp included: the meter equals the ledger's CUDA terms to
+    the byte, as the CPU target equals the CPU's. A sequence of 50 tells the two logsumexps apart."""
+    from zerolab.rehearsal import rehearse
+
+    job = ["model=gpt_tiny", "data.micro_batch=2", f"precision={precision}", "model.dropout=0.1",
+           "model.block_size=50", "strategy=ddp", "model.activation_checkpointing=selective"]
+    for target in ("cpu", "cuda"):
+        r = rehearse(job, world=2, target=target)
+        assert r.measured["mem/activations_bytes"] == r.predicted["mem/activations_bytes"], (target, r.measured)

@@ -180,9 +180,14 @@ def _selective_kept(b: int, s: int, h: int, a: int, c: int, dropout: float, devi
     f = 4 if c == 2 else c
     qkv_in_layer = fused or (b == 1 and f == c)
     kept.append(("qkv Linear output (1st matmul)", 3 * bsh * c, 3 * bsh * c if qkv_in_layer else 0))
-    if fused:  # the SDPA kernel is one op: its output and logsumexp are kept (both saved by the layer)
-        lse = (s if device == "cpu" else 32 * math.ceil(s / 32)) * b * a * 4
-        kept.append(("attention output and fp32 logsumexp (the SDPA kernel's outputs)", bsh * c + lse, bsh * c + lse))
+    if fused:  # the SDPA kernel is one op: its outputs are kept, all saved by the layer (_gpt_layer):
+        # the output, the fp32 logsumexp (padded to 32 rows by CUDA's memory-efficient kernel) and,
+        # on CUDA, the RNG state
+        kernel = cuda_attention_kernel(c == 2, h // a, c == 4) if device == "cuda" else "cpu flash"
+        lse = (32 * math.ceil(s / 32) if kernel == "efficient" else s) * b * a * 4
+        rng = 0 if device == "cpu" else 24 if kernel == "flash" else 16
+        att = bsh * c + lse + rng
+        kept.append(("attention output, fp32 logsumexp and RNG state (the SDPA kernel's outputs)", att, att))
     # with CPU attention dropout SDPA is separate ops (bmm, softmax, dropout): all recomputed
     kept.append(("fc Linear output (3rd matmul; the GELU input)", 4 * bsh * c, 4 * bsh * c))
     return kept
