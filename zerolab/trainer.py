@@ -13,7 +13,6 @@ from __future__ import annotations
 import logging
 import os
 from contextlib import nullcontext
-from dataclasses import dataclass, field
 from functools import partial
 from typing import Optional
 
@@ -34,22 +33,12 @@ from zerolab.run import directory as rundir, record as run_record
 from zerolab.run.instruments import Instruments
 from zerolab.run.metrics import MetricsSink
 from zerolab.run.preempt import MARKER, StopRequest, stop_run
-from zerolab.run.results import FinalFiles, run_summary, say_where, skipped_error
+from zerolab.run.results import FinalFiles, RunSoFar, run_summary, say_where, skipped_error
 from zerolab.schema import Config, global_batch, to_dict
 from zerolab.strategies import strategy_class
 from zerolab.timing import StepClock
 
 log = logging.getLogger("zerolab")
-
-
-@dataclass
-class RunSoFar:
-    """What the loop carries from step to step to the run's end."""
-    loss: float = float("nan")  # the last logged mean loss
-    eval_loss: float = float("nan")
-    skipped: int = 0  # updates skipped (every rank agrees); a device tensor once one was decided there
-    per_rank: list = field(default_factory=list)  # the last logged step's figures of every rank
-    last_record: Optional[dict] = None  # the final step's record: logged by finish, with the final eval
 
 
 class Trainer:

@@ -14,6 +14,7 @@ import logging
 import math
 import os
 import statistics
+from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 from zerolab.atomic import atomic_path, atomic_write_json
@@ -213,3 +214,13 @@ def say_where(summary: dict, vocab: int, eval_loss: float) -> None:
     if "weights" in summary:
         log.info("weights: %s", summary["weights"])
     log.info("summary: %s", os.path.join(summary["run_dir"], "summary.json"))
+
+
+@dataclass
+class RunSoFar:
+    """What the loop carries from step to step to the run's end."""
+    loss: float = float("nan")  # the last logged mean loss
+    eval_loss: float = float("nan")
+    skipped: int = 0  # updates skipped (every rank agrees); a device tensor once one was decided there
+    per_rank: list = field(default_factory=list)  # the last logged step's figures of every rank
+    last_record: Optional[dict] = None  # the final step's record: logged by finish, with the final eval
