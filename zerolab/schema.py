@@ -127,7 +127,17 @@ class DDPSettings(BucketSettings):
 
 
 @dataclass
-class ZeroSettings(BucketSettings):
+class OffloadSettings(BucketSettings):
+    # ZeRO-Offload (Ren et al. 2021): the master, the optimizer state and the optimizer step live on
+    # the host; gradient shards go down as they are reduced, updated 16-bit weights come back
+    offload_optimizer: bool = False
+    # ZeRO-Infinity's parameter offload (Rajbhandari et al. 2021): stage 3's parameter shards live on
+    # the host between uses and are gathered to the device unit by unit
+    offload_params: bool = False
+
+
+@dataclass
+class ZeroSettings(OffloadSettings):
     # the dtype gradients are reduce-scattered in: auto (= gradient dtype) | fp32; zero3 also keeps
     # its gradient shard in it (16-bit under bf16/fp16 with auto)
     reduce_dtype: str = "auto"
@@ -154,7 +164,7 @@ class Zero3Settings(ZeroSettings):
 
 
 @dataclass
-class DeepSpeedSettings(BucketSettings):
+class DeepSpeedSettings(OffloadSettings):
     stage: int = 0  # its ZeRO stage (0-3; conf/strategy/deepspeed.yaml sets 2)
     overlap_comm: bool = True  # overlap its reductions with backward
     client_optimizer: bool = False  # allow zerolab's LAMB/LARS as a client optimizer
@@ -166,7 +176,8 @@ class StrategyConfig(Zero3Settings, DDPSettings, DeepSpeedSettings):
     """The union of every strategy's settings: the `strategy` section of the config."""
 
 
-STRATEGY_SETTINGS = (StrategySettings, BucketSettings, DDPSettings, ZeroSettings, Zero3Settings, DeepSpeedSettings)
+STRATEGY_SETTINGS = (StrategySettings, BucketSettings, OffloadSettings, DDPSettings, ZeroSettings, Zero3Settings,
+                     DeepSpeedSettings)
 
 
 def settings_for(section: Any, settings: type) -> Any:
