@@ -172,12 +172,21 @@ class DeepSpeedSettings(OffloadSettings):
 
 
 @dataclass
-class StrategyConfig(Zero3Settings, DDPSettings, DeepSpeedSettings):
+class FSDPSettings(StrategySettings):
+    # OffloadSettings' two settings without buckets (fully_shard has none); FSDP2's CPUOffloadPolicy
+    # moves the sharded parameters, gradients and optimizer step to the host together, so the strategy
+    # accepts them only together (zerolab/strategies/fsdp.py)
+    offload_optimizer: bool = False
+    offload_params: bool = False
+
+
+@dataclass
+class StrategyConfig(Zero3Settings, DDPSettings, DeepSpeedSettings, FSDPSettings):
     """The union of every strategy's settings: the `strategy` section of the config."""
 
 
 STRATEGY_SETTINGS = (StrategySettings, BucketSettings, OffloadSettings, DDPSettings, ZeroSettings, Zero3Settings,
-                     DeepSpeedSettings)
+                     DeepSpeedSettings, FSDPSettings)
 
 
 def settings_for(section: Any, settings: type) -> Any:

@@ -21,14 +21,15 @@ from typing import Optional
 
 import torch
 import torch.nn as nn
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from zerolab.accounting import MIXED, StorageCounter, ceil_div, dtype_name, element_states, fmt_n, state_bytes
 from zerolab.models import find_blocks, place
 from zerolab.precision import COMPUTE_BYTES
 from zerolab.numerics import Measure, StepInfo
-from zerolab.schema import StrategySettings
+from zerolab.errors import ConfigError
+from zerolab.schema import FSDPSettings
 from zerolab.strategies.base import OptimizerFactory, Strategy, Traits, larger_of, set_lr
 
 
@@ -41,10 +42,31 @@ def _local(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
 
 class FSDPStrategy(Strategy):
     name = "fsdp"
-    # fully_shard has no bucket size (a unit is one block) and reduces in fp32 under mixed precision:
-    # no settings of its own. Ranks hold uneven shares: the last ranks' optimizer state is smaller.
-    traits = Traits(settings=StrategySettings, stage=3, sharded_grads=True, needs_blocks=True, uneven_memory=True)
+    # fully_shard has no bucket size (a unit is one block) and reduces in fp32 under mixed precision;
+    # its settings are offload's two. Ranks hold uneven shares: the last ranks' optimizer state is smaller.
+    traits = Traits(settings=FSDPSettings, stage=3, sharded_grads=True, needs_blocks=True, uneven_memory=True)
     checkpoint_format = "none"
+
+    @classmethod
+    def check_config(cls, cfg, world_size: int) -> None:
+        super().check_config(cfg, world_size)
+        s = cfg.strategy
+        if bool(s.offload_optimizer) != bool(s.offload_params):
+            asked = "offload_optimizer" if s.offload_optimizer else "offload_params"
+            raise ConfigError(
+                f"strategy=fsdp strategy.{asked}=true alone: FSDP2 has one offload, CPUOffloadPolicy, which keeps "
+                "the sharded parameters, their gradients and the optimizer state on the host and runs the "
+                "optimizer step there, all together; it cannot offload one without the other. Set both "
+                "strategy.offload_optimizer=true and strategy.offload_params=true for CPUOffloadPolicy, or use "
+                "strategy=zero3 (zerolab's own), which offloads the optimizer alone or the parameters too, or "
+                "strategy=deepspeed (offload_optimizer, and offload_params under stage 3)")
+
+    def offload_policy(self) -> OffloadPolicy:
+        """CPUOffloadPolicy when both offload settings are on (check_config refuses one alone);
+        pinned host memory only where CUDA is present (pinning needs an accelerator's driver)."""
+        if self.settings.offload_optimizer and self.settings.offload_params:
+            return CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
+        return OffloadPolicy()
 
     def setup(self, model: nn.Module, param_groups: list[dict], make_optimizer: OptimizerFactory) -> nn.Module:
         p = self.precision
@@ -65,10 +87,11 @@ class FSDPStrategy(Strategy):
                          "the memory per rank is not ZeRO-3's. Name its layers with model.blocks=PATH, or use "
                          "strategy=zero2",
                          type(model).__name__)
-        mesh = self.ctx.device_mesh()
-        for block in self.units:
-            fully_shard(block, mesh=mesh, mp_policy=mp)  # resharded after forward: re-gathered in backward
-        fully_shard(model, mesh=mesh, mp_policy=mp)  # the root keeps its parameters between forward and backward
+        mesh, offload = self.ctx.device_mesh(), self.offload_policy()
+        for block in self.units:  # resharded after forward: re-gathered in backward
+            fully_shard(block, mesh=mesh, mp_policy=mp, offload_policy=offload)
+        # the root keeps its parameters between forward and backward
+        fully_shard(model, mesh=mesh, mp_policy=mp, offload_policy=offload)
         self.model = model
         # fully_shard replaced the parameters with DTensors: rebuild the groups by name.
         by_name = dict(model.named_parameters())
