@@ -7,6 +7,11 @@ Categories (the ZeRO paper's "model states" are the first four):
   master       fp32 master weights (mixed precision), whole or sharded
   optim_state  optimizer state (Adam's m and v, momentum, ...)
   buffers      communication buckets, padding, model buffers
+
+Every byte also has a place (PLACES): "device", the accelerator's memory, or "host", the CPU
+memory of its node (ZeRO-Offload's master, optimizer state and gradient shard, ZeRO-Infinity's
+parameter shards). The place is said by whoever adds the tensors, not read from tensor.device:
+on a CPU-only machine both places are the CPU's memory, and offload keeps them apart anyway.
 """
 from __future__ import annotations
 
@@ -16,6 +21,7 @@ import torch
 
 CATEGORIES = ("params", "grads", "master", "optim_state", "buffers")
 MODEL_STATES = ("params", "grads", "master", "optim_state")
+PLACES = ("device", "host")
 
 
 def storage_key(t: torch.Tensor) -> int:
@@ -42,14 +48,39 @@ def on_host(bytes_by_category: dict[str, int], placement: dict[str, str]) -> int
     return sum(v for c, v in bytes_by_category.items() if placement.get(c, "device") == "host")
 
 
+def placed(every: dict[str, int], host: dict[str, int]) -> dict[str, int]:
+    """Bytes by category over every place (`every`), with the places added: "device" and "host"
+    (totals over CATEGORIES) and "host/<category>" for each category with host bytes. What a
+    run records as mem/<key>_bytes (device bytes of a category: its figure minus host/<category>)."""
+    out = dict(every)
+    out["host"] = sum(host.get(c, 0) for c in CATEGORIES)
+    out["device"] = out["total"] - out["host"]
+    out.update({f"host/{c}": host[c] for c in CATEGORIES if host.get(c)})
+    return out
+
+
+def device_part(figures: dict[str, int]) -> dict[str, int]:
+    """The device's bytes by category from placed()'s flat keys (a category minus its host/ part)."""
+    return {c: figures.get(c, 0) - figures.get(f"host/{c}", 0) for c in CATEGORIES}
+
+
 class StorageCounter:
-    """Sums storage bytes over categories, never counting one storage twice."""
+    """Sums storage bytes over categories and places, never counting one storage twice.
+    `placement` (a strategy's Traits.placement, category -> place) says where a category lives
+    when add() is not told."""
 
-    def __init__(self):
+    def __init__(self, placement: dict[str, str] | None = None):
         self.seen: set[int] = set()
+        self.placement = placement or {}
         self.bytes = {c: 0 for c in CATEGORIES}
+        self.host = {c: 0 for c in CATEGORIES}
 
-    def add(self, category: str, tensors: Iterable[torch.Tensor | None]) -> "StorageCounter":
+    def add(self, category: str, tensors: Iterable[torch.Tensor | None], place: str | None = None) -> "StorageCounter":
+        """Count `tensors` under `category`, in `place` ("device" or "host"; by default where the
+        counter's placement puts the category, else the device)."""
+        place = place or self.placement.get(category, "device")
+        if place not in PLACES:
+            raise ValueError(f"place={place!r} is not one of {', '.join(PLACES)}")
         for t in tensors:
             if t is None or t.device.type == "meta":
                 continue
@@ -58,16 +89,19 @@ class StorageCounter:
                 continue
             self.seen.add(key)
             self.bytes[category] += storage.nbytes()
+            if place == "host":
+                self.host[category] += storage.nbytes()
         return self
 
-    def add_optimizer(self, optimizer: torch.optim.Optimizer) -> "StorageCounter":
-        return self.add("optim_state", element_states(optimizer))
+    def add_optimizer(self, optimizer: torch.optim.Optimizer, place: str | None = None) -> "StorageCounter":
+        return self.add("optim_state", element_states(optimizer), place)
 
     def result(self) -> dict[str, int]:
+        """Bytes by category (every place), model_states, total, and the places (placed())."""
         out = dict(self.bytes)
         out["model_states"] = sum(out[c] for c in MODEL_STATES)
         out["total"] = sum(out[c] for c in CATEGORIES)
-        return out
+        return placed(out, self.host)
 
 
 def process_memory(device: torch.device) -> dict[str, int]:

@@ -48,12 +48,26 @@ def format_table(pred: Prediction, reference: Prediction | None = None) -> str:
              f"= {100 * opt / ms:.1f}% of model states"]
     if pred.transient_bytes:
         lines.append(f"transient, on top during part of the step (not in total): {human_bytes(pred.transient_bytes)}")
+    lines += _places(pred)
     lines += ["", *format_paper(pred, reference)]
     lines += ["", "where it comes from:"]
     lines += [f"  {t.category:<12} {human_bytes(t.bytes):>10}  {t.what}" for t in pred.terms]
     lines += [f"  note: {note}" for note in pred.notes]
     lines.append("  (activations are not included: they depend on batch and sequence length, not on the strategy)")
     return "\n".join(lines)
+
+
+def _places(pred: Prediction) -> list[str]:
+    """Where the bytes live, when some are on the host (offload): device and host by category."""
+    by = pred.by_place()
+    if not by["host"]["total"]:
+        return []
+    cats = [c for c in (*MODEL_STATES, "buffers") if by["host"][c]]
+    return ["", "by place (a node's ranks share its host memory): "
+            + f"device {human_bytes(by['device']['total'])}, host {human_bytes(by['host']['total'])} ("
+            + ", ".join(f"{c} {human_bytes(by['host'][c])}" for c in cats) + ")"
+            + f"; transient on the device {human_bytes(pred.transient_bytes_at('device'))}, on the host "
+            + human_bytes(pred.transient_bytes_at("host"))]
 
 
 def sweep_predictions(shape: ModelShape, worlds: list[int], precision: str, optim: str, bucket_mb: float = 25.0,

@@ -50,7 +50,7 @@ def check_against(preds: list[Prediction] | None, per_rank: list[dict], warn: bo
     keys, ratios, warnings = {}, [], []
     for r, figures in enumerate(per_rank):
         pred = preds[r]
-        want = pred.bytes()
+        want = pred.placed()  # by category, and by place (device, host, host/<category>)
         rank_ratio = {}
         figures = dict(figures)
         if all(f"mem/{c}_bytes" in figures for c in CATEGORIES):  # derive the sums from the categories

@@ -69,9 +69,11 @@ def peak_of(states: dict, activations: int, transient_backward: int, transient_s
 
 
 def predicted_peak(pred, act_pred, mcfg, micro_batch: int, seq: int) -> Peak:
-    """The peak from a zerolab.memory Prediction (model states and the strategy's transient terms,
-    each with Term.when) and a zerolab.activations prediction for the same run."""
-    comm_bwd = sum(t.bytes for t in pred.terms if t.category == "transient" and t.when != "step")
-    comm_step = sum(t.bytes for t in pred.terms if t.category == "transient" and t.when == "step")
+    """The device's peak from a zerolab.memory Prediction (model states and the strategy's transient
+    terms, each with Term.when) and a zerolab.activations prediction for the same run; what the
+    prediction places on the host (Term.place: offload) is not in it."""
+    device = [t for t in pred.terms if t.category == "transient" and t.place == "device"]
+    comm_bwd = sum(t.bytes for t in device if t.when != "step")
+    comm_step = sum(t.bytes for t in device if t.when == "step")
     model_bwd = logits_buffer_bytes(micro_batch, seq, mcfg.vocab_size) + recompute_bytes(act_pred)
-    return peak_of(pred.bytes(), act_pred.bytes, model_bwd + comm_bwd, comm_step)
+    return peak_of(pred.bytes("device"), act_pred.bytes, model_bwd + comm_bwd, comm_step)

@@ -16,6 +16,9 @@ from zerolab.rehearsal.run import NOT_COUNTED, Rehearsal, rehearsal_config, rehe
 FIGURES = [  # (key of the run's per-rank figures, row label)
     *((f"mem/{c}_bytes", c) for c in CATEGORIES),
     ("mem/model_states_bytes", "model states"),
+    ("mem/device_bytes", "on the device"),  # the categories by place (zerolab.accounting.placed)
+    ("mem/host_bytes", "on the host"),
+    *((f"mem/host/{c}_bytes", f"  host {c}") for c in CATEGORIES),
     ("mem/activations_bytes", "activations"),
     ("mem/peak_bytes", "peak"),
     ("mem/peak_model_states_bytes", "  model states"),
@@ -42,6 +45,10 @@ def format_rehearsal(r: Rehearsal) -> str:
             continue
         diff = "" if p is None else f"{m - p:+,}" if abs(m - p) < 10_000 else f"{100 * (m - p) / p:+.2f}%" if p else ""
         lines.append(f"{label:<17}{human_bytes(m):>12} {human_bytes(p) if p is not None else '-':>12} {diff:>12}")
+    host = r.measured.get("mem/host_bytes", 0)
+    if host:  # a node's ranks share its host's memory
+        per_node = r.ranks_per_node or 1
+        lines.append(f"host memory of a node ({per_node} rank(s) alike): {human_bytes(host * per_node)}")
     phase = r.measured.get("mem/peak_phase")
     lines.append(f"the peak is in the {phase}" + (f" (the ledger's: in the {r.predicted['mem/peak_phase']})"
                                                   if "mem/peak_phase" in r.predicted else ""))

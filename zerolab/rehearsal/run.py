@@ -36,6 +36,7 @@ from zerolab.predict.record import StepRecord, record_steps
 from zerolab.rehearsal.fake import RehearsalMode, join_fake_world, target_kernels, whole_windows
 from zerolab.schema import FaultConfig, ProfileConfig
 from zerolab.strategies import strategy_class
+from zerolab.topology import topology_for
 from zerolab.trainer import Trainer
 
 # rehearsed steps: at least 3 (the optimizer state exists from the first), until the peak repeats
@@ -62,6 +63,7 @@ class Rehearsal:
     kernels: str = "cpu"  # the device type whose kernels ran the step (fake.target_kernels)
     blocks: dict = field(default_factory=dict)  # the repeated blocks the run takes (models.blocks_report)
     comm: dict = field(default_factory=dict)  # the strategy's comm counter, last step: comm_bytes, by link
+    ranks_per_node: int = 1  # the job's ranks on one node, which share its host memory (offload)
     # With record=True: the last rehearsed step as the time model reads it (zerolab.predict.record),
     # and what the step's shape is (tokens per rank, model FLOPs per token). Not in to_dict.
     record: Optional[StepRecord] = field(default=None, repr=False)
@@ -107,7 +109,8 @@ def rehearse(overrides: list[str], world: int, rank: int = 0, record: bool = Fal
     if not 0 <= rank < world:
         raise ConfigError(f"--rank {rank} is not a rank of a {world}-rank job (0 to {world - 1})")
     cfg = rehearsal_config(overrides, world) if cfg is None else for_rehearsal(cfg)
-    out = Rehearsal(world, rank, cfg.strategy.name, cfg.model.name, cfg.precision.name)
+    out = Rehearsal(world, rank, cfg.strategy.name, cfg.model.name, cfg.precision.name,
+                    ranks_per_node=topology_for(cfg.dist.ranks_per_node, world).per_node)
     why_not = strategy_class(cfg.strategy.name).traits.not_rehearsable
     if why_not:
         out.blocks = describe_blocks(build_model(cfg.model, device="meta"), cfg.model.blocks)
@@ -182,7 +185,7 @@ def _predicted(memory, rank: int) -> dict:
     """The ledger's prediction for this rank under the figures' keys (zerolab.run.monitor's)."""
     out = {}
     if memory.predicted:
-        out.update({f"mem/{k}_bytes": v for k, v in memory.predicted[rank].bytes().items()})
+        out.update({f"mem/{k}_bytes": v for k, v in memory.predicted[rank].placed().items()})
     if memory.activations_predicted is not None:
         out["mem/activations_bytes"] = memory.activations_predicted
     if memory.peak_predicted:
@@ -196,4 +199,4 @@ def _ledger_only(cfg, world: int, rank: int) -> dict:
     from zerolab.memory import ledger_for_run
 
     preds = ledger_for_run(cfg, world)
-    return {f"mem/{k}_bytes": v for k, v in preds[rank].bytes().items()} if preds else {}
+    return {f"mem/{k}_bytes": v for k, v in preds[rank].placed().items()} if preds else {}

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from zerolab.accounting import ActivationMeter, on_host, process_memory
+from zerolab.accounting import CATEGORIES, ActivationMeter, device_part, placed, process_memory
 from zerolab.activations import predict_activations
 from zerolab.memory import check_against, check_peak, ledger_for_run, peak_for_run, peak_keys, peak_of, \
     process_summary, recompute_bytes
@@ -54,10 +54,12 @@ class MemoryMonitor:
     def rank_figures(self, comm: dict) -> dict:
         """This rank's memory and communication figures, to be gathered on rank 0."""
         held = self.strategy.memory()
+        if "host" not in held:  # a count without places: where its Traits.placement puts each category
+            where = self.strategy.traits.placement
+            held = placed(held, {c: held.get(c, 0) for c in CATEGORIES if where.get(c) == "host"})
+        # every category, its host part (mem/host/<category>_bytes) and the totals by place
+        # (mem/device_bytes, mem/host_bytes: zerolab.accounting.placed)
         out = {f"mem/{k}_bytes": v for k, v in held.items()}
-        host = on_host(held, self.strategy.traits.placement)
-        if host:  # a strategy that keeps part of its state in host memory (Traits.placement)
-            out["mem/host_bytes"] = host
         out["mem/activations_bytes"] = self.activations  # zerolab.accounting.ActivationMeter
         out.update(self._peak(out))
         out.update(process_memory(self.ctx.device))
@@ -73,7 +75,8 @@ class MemoryMonitor:
         the logits' measured numel), one recomputed block with checkpointing (formula) and what the
         strategy recorded (Strategy.transient)."""
         tp = self.strategy.transient.peak()
-        states = {k[len("mem/"):-len("_bytes")]: v for k, v in figures.items() if k.startswith("mem/")}
+        # the device's peak: what lives on the host (offload) is not in it
+        states = device_part({k[len("mem/"):-len("_bytes")]: v for k, v in figures.items() if k.startswith("mem/")})
         backward = LOGIT_BUFFER_BYTES * self.logits_numel + self.recompute + tp.get("backward", 0)
         pk = peak_of(states, self.activations, backward, tp.get("step", 0))
         out = {"mem/peak_bytes": pk.bytes, "mem/peak_phase": pk.phase,
