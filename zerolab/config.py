@@ -48,6 +48,7 @@ def validate(cfg: DictConfig | Config, world_size: Optional[int] = None) -> Conf
     _choice("strategy.reduce_dtype", cfg.strategy.reduce_dtype, ("auto", "fp32"))
     strategy = strategy_class(cfg.strategy.name)
     strategy.check_config(cfg, world)  # what this strategy cannot honour
+    _check_offload_is_read(cfg, strategy)
     if (cfg.model.activation_checkpointing == "selective" and cfg.strategy.name == "deepspeed"
             and getattr(cfg.strategy, "stage", 0) == 3):
         # DeepSpeed stage 3 replaces every Linear by its own (memory_efficient_linear), which adds the
@@ -62,6 +63,17 @@ def validate(cfg: DictConfig | Config, world_size: Optional[int] = None) -> Conf
     check_precision_modes(cfg, strategy, {n: strategy_class(n) for n in REGISTRY})  # precision.master, ...
     warn_unused_settings(cfg, strategy)
     return cfg
+
+
+def _check_offload_is_read(cfg: Config, strategy) -> None:
+    """Offload set for a strategy that has none is refused, not warned about: the job was sized on
+    the memory it would have moved to the host, so it would run out where the user expects room."""
+    for key in ("offload_optimizer", "offload_params"):
+        if getattr(cfg.strategy, key, False) and not strategy.reads(f"strategy.{key}", cfg):
+            able = sorted(n for n in REGISTRY if strategy_class(n).reads(f"strategy.{key}", cfg))
+            raise ConfigError(f"strategy.{key}=true under strategy={cfg.strategy.name}: it has no offload, so the "
+                              "states would stay on the device the job was sized without. Use a strategy that "
+                              f"offloads ({', '.join(able)}; docs/offload.md), or strategy.{key}=false")
 
 
 def _check_model(m: ModelConfig) -> None:

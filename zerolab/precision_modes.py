@@ -172,10 +172,11 @@ def working_bytes_per_element(mode: Mode, k: float) -> float:
         + (3 if mode.master == "remainder" else 0) + 4
 
 
-def master_term(p, n: int, mode: Mode, what: str) -> None:
-    """The ledger's `master` term of `n` elements under bf16 mixed precision, as `mode` holds it."""
+def master_term(p, n: int, mode: Mode, what: str, place: str = "device") -> None:
+    """The ledger's `master` term of `n` elements under bf16 mixed precision, as `mode` holds it
+    (`place`: where an fp32 master lives; offload keeps it on the host)."""
     if mode.master == "fp32":
-        p.add("master", n * 4, f"fp32 master {what}: {n:,} × 4")
+        p.add("master", n * 4, f"fp32 master {what}: {n:,} × 4", place=place)
     elif mode.master == "remainder":
         p.add("master", n * 2, f"int16 remainders of the fp32 master {what} (precision.master=remainder: its high "
                                f"halves are the bf16 weights, zerolab/master.py): {n:,} × 2")

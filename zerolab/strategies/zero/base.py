@@ -68,10 +68,11 @@ from zerolab.strategies.base import PRECISION_MODE_SETTINGS, ZEROLAB_STEP_SETTIN
 from zerolab.strategies.zero.checkpoint import ZeroPieces
 from zerolab.strategies.zero.layout import Bucket, check_node_settings, layout_for, shards_for
 from zerolab.strategies.zero.memory import predict_zero12
+from zerolab.strategies.zero.offload import Offload, check_offload
 from zerolab.strategies.zero.shard import FlatGroup, ShardGrads
 
 
-class ZeroBase(ZeroPieces, ShardGrads, Strategy):
+class ZeroBase(Offload, ZeroPieces, ShardGrads, Strategy):
     """The sharder the three stages share; registered only through a stage class."""
     traits = Traits(settings=ZeroSettings, stage=1, sharded_grads=True, zerolab_sharder=True,
                     also_reads=ZEROLAB_STEP_SETTINGS | PRECISION_MODE_SETTINGS | {"precision.grad_shard"})
@@ -128,7 +129,9 @@ class ZeroBase(ZeroPieces, ShardGrads, Strategy):
         # is to update the 16-bit weights themselves (the owned chunk, then all-gathered). Where
         # that is the weights' own dtype, the shard is a view of the weights (module docstring).
         self.shard_dtype = self.precision.update_dtype
-        self.shard_is_weights = self.shard_dtype == self.precision.compute_dtype and not self.shards_params
+        self._offload_setup()  # offload.py: the shard on the host is a copy of its own, never a view of the weights
+        self.shard_is_weights = self.shard_dtype == self.precision.compute_dtype and not self.shards_params \
+            and not self.offload_optimizer
         # precision.master (module docstring): where the master shard lives under bf16
         self.master_mode = self.precision.master if self.precision.master_weights else "fp32"
 
@@ -164,7 +167,6 @@ class ZeroBase(ZeroPieces, ShardGrads, Strategy):
 
     def _make_flat_groups(self, param_groups: list[dict]) -> list[FlatGroup]:
         """The shard's pieces (with their gradients) and segments, from the buckets' weights."""
-        dev = self.ctx.device
         groups = [FlatGroup([None] * len(sizes), names=list(g["names"]))
                   for sizes, g in zip(self.piece_sizes, param_groups)]
         for b in self.buckets:
@@ -178,7 +180,7 @@ class ZeroBase(ZeroPieces, ShardGrads, Strategy):
             else:
                 if fg.pieces[b.piece] is None:
                     size = self.piece_sizes[b.group][b.piece]
-                    fg.pieces[b.piece] = nn.Parameter(torch.zeros(size, dtype=self.shard_dtype, device=dev))
+                    fg.pieces[b.piece] = nn.Parameter(self._shard_zeros(size, self.shard_dtype))
                 fg.pieces[b.piece].data[b.shard_pos:b.shard_pos + b.chunk].copy_(b.flat_params[lo:hi])
             for p, ti, off in b.params:
                 start, end = max(off, lo), min(off + p.numel(), hi)
@@ -192,7 +194,8 @@ class ZeroBase(ZeroPieces, ShardGrads, Strategy):
     def _piece_grad(self, b: Bucket, piece: torch.Tensor) -> None:
         """The gradient of the shard's piece that holds bucket b's chunk: a buffer of its own."""
         if piece.grad is None:  # (not zeros_like: a stand-in's strides are all 0)
-            piece.grad = torch.zeros(piece.shape, dtype=piece.dtype, device=piece.device)
+            piece.grad = torch.zeros(piece.shape, dtype=piece.dtype, device=piece.device,
+                                     pin_memory=self.pinned and piece.device == self.host)
 
     def _shard_chunk(self, b: Bucket) -> torch.Tensor:
         """This rank's chunk of bucket b in the shard the optimizer updates."""
@@ -266,10 +269,11 @@ class ZeroBase(ZeroPieces, ShardGrads, Strategy):
         while self.pending and (block or self.pending[0][0].is_completed()):
             work, out, b, buf = self.pending.popleft()
             work.wait()
-            self._collect(b, out)
+            self._arrived(b, out)  # into the gradient shard (_collect), through the host under offload
             self.transient.free(out.untyped_storage().nbytes()
                                  + (buf.untyped_storage().nbytes() if buf is not b.flat_grads else 0))
             b.comm_buf = None  # zero2: the bucket's memory goes back to the allocator
+        self._host_collect(block)  # offload: the chunks whose copy to the host is done
 
     def backward(self, loss: torch.Tensor) -> None:
         super().backward(loss)
@@ -305,9 +309,11 @@ class ZeroBase(ZeroPieces, ShardGrads, Strategy):
             b = self.buckets[i]
             if self.master_mode != "fp32":
                 chunk = self.groups[b.group].storage.weights[b.piece]
+            elif self.offload_optimizer:  # the host's updated chunk, into its place in the weights
+                chunk = self._weights_to_device(b)
             else:
                 chunk = derived_weight(self._shard_chunk(b), b.flat_params.dtype, self.precision.weight_rounding)
-            if not (self.shard_is_weights or self.master_mode != "fp32"):  # a 16-bit copy, alive until waited for
+            if not (self.shard_is_weights or self.master_mode != "fp32" or self.offload_optimizer):  # a 16-bit copy
                 self._gather_input_bytes[i] = chunk.untyped_storage().nbytes()
                 self.transient.alloc(self._gather_input_bytes[i], "step")
             self.comm.record("all_gather", b.flat_params, group=self.shard_group)
@@ -342,6 +348,9 @@ class ZeroBase(ZeroPieces, ShardGrads, Strategy):
         works = []
         for g in grads:
             self.comm.record("all_reduce", g, group=group)
+            if g.device != self.ctx.device:  # offload: a host shard is reduced from a device copy (offload.py)
+                self._on_device(g, lambda t: dist.all_reduce(t, group=group))
+                continue
             works.append(dist.all_reduce(g, group=group, async_op=True))
         for work in works:
             work.wait()
@@ -351,9 +360,9 @@ class ZeroBase(ZeroPieces, ShardGrads, Strategy):
         complete over the ranks that share the shards: every rank, or the node's under HSDP (the
         other nodes hold the same shards: summing them too would count every element once per node)."""
         if self.shard_group is None:
-            return super()._all_reduce(t)
+            return self._on_device(t, super()._all_reduce)
         self.comm.record("all_reduce", t, group=self.shard_group)
-        dist.all_reduce(t, group=self.shard_group)
+        self._on_device(t, lambda d: dist.all_reduce(d, group=self.shard_group))
 
     # ---- introspection ------------------------------------------------------------------------
     def _describe_nonfinite(self) -> str:
@@ -365,11 +374,11 @@ class ZeroBase(ZeroPieces, ShardGrads, Strategy):
 
     def memory(self) -> dict[str, int]:
         self._wait_gathers()
-        c = StorageCounter()
+        c, where = StorageCounter(), self.shard_place  # offload: the optimizer's side is the host's
         c.add("params", (b.flat_params for b in self.buckets))
-        c.add("grads", (b.flat_grads for b in self.buckets)).add("grads", self._all_grad_shards())
-        c.add("master", (piece for g in self.groups for piece in g.pieces))  # (stand-ins hold nothing)
-        c.add("master", (r for g in self.groups for r in g.storage.remainders)).add_optimizer(self.optimizer)
+        c.add("grads", (b.flat_grads for b in self.buckets)).add("grads", self._all_grad_shards(), where)
+        c.add("master", (piece for g in self.groups for piece in g.pieces), where)  # (stand-ins hold nothing)
+        c.add("master", (r for g in self.groups for r in g.storage.remainders)).add_optimizer(self.optimizer, where)
         c.add("buffers", (b.comm_buf for b in self.buckets)).add("buffers", self.model.buffers())
         return c.result()
 
@@ -381,7 +390,8 @@ class ZeroBase(ZeroPieces, ShardGrads, Strategy):
         whole weights (and zero1's whole gradients), measured at the end of a step as memory() sees it."""
         predict_zero12(p, shape, whole_grads=cls.keeps_whole_grads, shards=shards_for(world, ranks_per_node, settings),
                        precision=precision, k=k, bucket_mb=bucket_mb, reduce_dtype=reduce_dtype,
-                       hsdp=settings.get("shard_within") == "node" and ranks_per_node < world, mode=mode)
+                       hsdp=settings.get("shard_within") == "node" and ranks_per_node < world, mode=mode,
+                       offload=bool(settings.get("offload_optimizer")))
 
     @classmethod
     def lossy(cls, cfg: dict):
@@ -391,4 +401,5 @@ class ZeroBase(ZeroPieces, ShardGrads, Strategy):
     def check_config(cls, cfg, world_size: int) -> None:
         super().check_config(cfg, world_size)
         check_node_settings(cfg, world_size, cls.traits.stage)  # shard_within, ZeRO++ (layout.py)
+        check_offload(cfg, cls.traits.stage)  # offload.py
 

@@ -100,7 +100,7 @@ class ZeroPieces:
         for b in self.buckets:
             chunk = self.groups[b.group].storage.fp32(b.piece, b.shard_pos, b.shard_pos + b.chunk)
             full = torch.empty(b.size, dtype=self.shard_dtype, device=self.ctx.device)
-            dist.all_gather_single(full, chunk.contiguous(), group=self.shard_group)
+            dist.all_gather_single(full, chunk.to(self.ctx.device).contiguous(), group=self.shard_group)
             if main:
                 for p, _, off in b.params:
                     for name in names.get(id(p), ()):

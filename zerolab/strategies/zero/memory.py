@@ -39,19 +39,22 @@ def _fp32_floor_notes(p, whole_grads: bool, view: bool, dt: str, sd: str, s: int
 
 
 def predict_zero12(p, shape, *, whole_grads: bool, shards: int, precision: str, k: float, bucket_mb: float,
-                   reduce_dtype: str, hsdp: bool, mode: Mode = Mode()) -> None:
+                   reduce_dtype: str, hsdp: bool, mode: Mode = Mode(), offload: bool = False) -> None:
     """zero1/zero2 (stages.py): every bucket padded to a multiple of `shards`, one chunk owned; the
     shard the optimizer updates, its gradient and the optimizer state exist for the owned chunks
     only; `whole_grads`: zero1 keeps the whole gradients between steps, zero2 only their shard.
     The shard is an fp32 master copy in mixed precision and a view of the weights where they are
-    in the dtype it updates (fp32, bf16_pure), as is zero1's gradient shard then."""
+    in the dtype it updates (fp32, bf16_pure), as is zero1's gradient shard then. `offload`
+    (strategy.offload_optimizer, offload.py): the shard, its gradient and state on the host, the
+    shard a copy of its own there."""
     n, c, dt, N = shape.n_params, COMPUTE_BYTES[precision], dtype_name(precision), shards
     sizes = zero_buckets(shape, N, c, bucket_mb)
     padded, shard = sum(sizes), sum(sizes) // N
     pad = padded - n
     s = state_bytes(precision)  # the shard's bytes per element: fp32, or bf16 in bf16_pure
     sd = "bf16" if s == 2 else "fp32"
-    view = s == c  # the shard is the weights' own owned chunk (fp32 training, bf16_pure)
+    view = s == c and not offload  # the shard is the weights' own owned chunk (fp32 training, bf16_pure)
+    place = "host" if offload else "device"
     p.add("params", n * c, f"{dt} weights, whole, views into per-bucket flat buffers: Ψ × {c}")
     if pad:
         p.add("params", pad * c, f"padding of {len(sizes)} bucket(s) to multiples of N: {fmt_n(pad)} × {c}")
@@ -67,11 +70,29 @@ def predict_zero12(p, shape, *, whole_grads: bool, shards: int, precision: str, 
                                       + (" (zero1's shard is its chunk of the whole gradients)" if whole_grads else "")
                                       + f": {fmt_n(shard)} × 4", when="step")
     elif not (whole_grads and view):
-        p.add("grads", shard * s, f"{sd} gradient shard (the owned chunks): {fmt_n(shard)} × {s}")
-    if not view:
-        master_term(p, shard, mode, "shard the optimizer updates")
-    _state_and_working_copies(p, shard, k, s, mode)
-    rb = 4 if reduce_dtype == "fp32" else c
+        p.add("grads", shard * s, f"{sd} gradient shard (the owned chunks): {fmt_n(shard)} × {s}", place=place)
+    if offload and s == c:  # fp32, bf16_pure: the weights' own dtype, a copy on the host
+        p.add("master", shard * s, f"{sd} shard the optimizer updates, on the host (a copy of the owned chunks of "
+                                   f"the weights): {fmt_n(shard)} × {s}", place=place)
+    elif not view:
+        master_term(p, shard, mode, "shard the optimizer updates", place)
+    _state_and_working_copies(p, shard, k, s, mode, place)
+    _zero12_transients(p, sizes, N, 4 if reduce_dtype == "fp32" else c, c, s, whole_grads=whole_grads,
+                       offload=offload, gathers_copy=not view and mode.master == "fp32", dt=dt)
+    if shape.buffer_bytes:
+        p.add("buffers", shape.buffer_bytes, "model buffers")
+    _fp32_floor_notes(p, whole_grads, view, dt, sd, s, c, pad)
+    if offload:
+        p.notes.append(OFFLOAD_NOTE)
+    if hsdp:
+        p.notes.append(f"strategy.shard_within=node: sharded over the {N} ranks of a node (N = {N} in the terms "
+                       "above), replicated on every node; the gradient shard is all-reduced across nodes in place")
+
+
+def _zero12_transients(p, sizes: list[int], N: int, rb: int, c: int, s: int, *, whole_grads: bool, offload: bool,
+                       gathers_copy: bool, dt: str) -> None:
+    """zero1/2's buffers alive during part of a step (`rb`: bytes per element of the reduction)."""
+    shard = sum(sizes) // N
     if not whole_grads:
         # backward waits once more than MAX_IN_FLIGHT are in flight, i.e. after launching one more
         p.add("transient", min(len(sizes), 2 + MAX_IN_FLIGHT) * max(sizes) * rb,
@@ -82,16 +103,12 @@ def predict_zero12(p, shape, *, whole_grads: bool, shards: int, precision: str, 
     in_flight = min(len(sizes), 1 + MAX_IN_FLIGHT)  # the drain runs after a launch past MAX_IN_FLIGHT
     p.add("transient", in_flight * (max(sizes) // N) * rb,
           f"reduce-scatter outputs (one chunk per bucket) of the {in_flight} bucket(s) in flight during backward")
-    if not view and mode.master == "fp32":  # fp32, bf16_pure and a master held in the weights gather in place
+    if offload:
+        _offload_transients(p, max(sizes) // N, in_flight, rb, max(sizes) // N, c, s)
+    elif gathers_copy:  # fp32, bf16_pure and a master held in the weights gather in place
         p.add("transient", shard * c, f"{dt} copies of the owned chunks, the all-gather inputs of every bucket "
                                       f"from the optimizer step to the next forward: {fmt_n(shard)} × {c}",
               when="step")
-    if shape.buffer_bytes:
-        p.add("buffers", shape.buffer_bytes, "model buffers")
-    _fp32_floor_notes(p, whole_grads, view, dt, sd, s, c, pad)
-    if hsdp:
-        p.notes.append(f"strategy.shard_within=node: sharded over the {N} ranks of a node (N = {N} in the terms "
-                       "above), replicated on every node; the gradient shard is all-reduced across nodes in place")
 
 
 def predict_zero3(p, shape, *, shards: int, per_node: int, precision: str, k: float, bucket_mb: float,
@@ -106,20 +123,27 @@ def predict_zero3(p, shape, *, shards: int, per_node: int, precision: str, k: fl
     s = state_bytes(precision)  # bf16_pure updates a bf16 shard: no fp32 anywhere
     rb = 4 if reduce_dtype == "fp32" else c
     gb = rb if precision in MIXED else s  # the gradient shard is kept in the reduce dtype
-    p.add("params", shard * c, f"{dt} weights: this rank's chunk of every bucket, the only persistent copy: "
-                               f"{fmt_n(shard)} × {c}" + (" (it is the shard the optimizer updates)"
-                                                          if precision not in MIXED else ""))
+    opt, par = settings.get("offload_optimizer", False), settings.get("offload_params", False)
+    place = "host" if opt else "device"  # offload.py: the optimizer's shard, its gradient and state
+    p.add("params", shard * c, f"{dt} weights: this rank's chunk of every bucket, the only persistent copy"
+                               + (" (on the host: strategy.offload_params)" if par else "") + f": {fmt_n(shard)} × {c}"
+                               + (" (it is the shard the optimizer updates)" if precision not in MIXED
+                                  and not (opt and not par) else ""), place="host" if par else "device")
     if settings.get("hpz"):
         p.add("params", sum(sizes) // per_node * c,
               f"hpZ's secondary copy of the {dt} weights, sharded over the node's {per_node} ranks (taken after "
               f"each forward all-gather, read by the backward one): {fmt_n(sum(sizes) // per_node)} × {c}")
-    p.add("grads", shard * gb, f"gradient shard in the reduce dtype (reduce-scattered into): {fmt_n(shard)} × {gb}")
+    p.add("grads", shard * gb, f"gradient shard in the reduce dtype (reduce-scattered into): {fmt_n(shard)} × {gb}",
+          place=place)
     if precision in MIXED:
-        master_term(p, shard, mode, "shard the optimizer updates")
+        master_term(p, shard, mode, "shard the optimizer updates", place)
+    elif opt and not par:  # the device keeps its chunks, the host the shard the step updates: a copy
+        p.add("master", shard * s, f"the shard the optimizer updates, on the host (the device keeps the weights' "
+                                   f"chunks): {fmt_n(shard)} × {s}", place=place)
     if gb != s:
         p.add("transient", shard * s, f"fp32 copy of the gradient shard for the optimizer, during the step: "
-                                      f"{fmt_n(shard)} × {s}", when="step")
-    _state_and_working_copies(p, shard, k, s, mode)
+                                      f"{fmt_n(shard)} × {s}", when="step", place=place)
+    _state_and_working_copies(p, shard, k, s, mode, place)
     largest = sorted(sizes, reverse=True)  # upper bounds: the biggest buckets alive at once
     p.add("transient", sum(largest[:MAX_LIVE_BUCKETS]) * c,
           f"gathered buckets during forward/backward (the running unit, the root and a prefetch: at most "
@@ -131,23 +155,47 @@ def predict_zero3(p, shape, *, shards: int, per_node: int, precision: str, k: fl
     p.add("transient", sum(largest[:1 + MAX_IN_FLIGHT]) // N * rb,
           "reduce-scatter outputs (one chunk per bucket) of the buckets in flight during backward")
     _quantized_transients(p, largest, N, per_node, settings)
+    if opt:
+        _offload_transients(p, largest[0] // N, 1 + MAX_IN_FLIGHT, rb, 0 if par else shard, c, s)
+        p.notes.append(OFFLOAD_NOTE)
+    if par:
+        p.add("transient", sum(largest[:MAX_LIVE_BUCKETS]) // N * c, "this rank's chunks copied from the host for "
+              f"the all-gathers in flight (strategy.offload_params; at most {MAX_LIVE_BUCKETS})")
+        p.notes.append("strategy.offload_params=true (ZeRO-Infinity, Rajbhandari et al. 2021): the persistent chunks "
+                       "are on the host; each all-gather copies this rank's chunk to the device first")
     if shape.buffer_bytes:
         p.add("buffers", shape.buffer_bytes, "model buffers")
     _zero3_notes(p, n, sizes, gb, c, precision, N, settings)
 
 
-def _state_and_working_copies(p, shard: int, k: float, s: int, mode: Mode) -> None:
+def _state_and_working_copies(p, shard: int, k: float, s: int, mode: Mode, place: str = "device") -> None:
     """The optimizer state of the shard (in bf16 with precision.optim_states=bf16), and the fp32
     working copies a step over a stored master or state makes (bounded by the whole shard: an
     elementwise update materialises a chunk at a time, LAMB's a group's shard at once)."""
     ss = 2 if mode.optim_states == "bf16" else s
     p.add("optim_state", shard * k * ss, f"optimizer state of the shard: {fmt_n(shard)} × {k:g} × {ss}"
-                                         + (" (precision.optim_states=bf16)" if ss != s else ""))
+                                         + (" (precision.optim_states=bf16)" if ss != s else ""), place=place)
     per = working_bytes_per_element(mode, k)
     if per:
         p.add("transient", shard * per, f"fp32 working copies of the stored master/state during the update "
                                         f"(zerolab/optim/stored.py), at most the whole shard: {fmt_n(shard)} × {per:g}",
-              when="step")
+              when="step", place=place)
+
+
+OFFLOAD_NOTE = ("strategy.offload_optimizer=true (ZeRO-Offload, Ren et al. 2021): the shard the optimizer updates, "
+                "its gradient and its state are on the host (pinned on CUDA), and the step runs there; a node's "
+                "ranks share its host memory")
+
+
+def _offload_transients(p, chunk: int, in_flight: int, rb: int, rounded: int, c: int, s: int) -> None:
+    """What offload moves through the host between the device and the shard: reduced chunks on
+    their way down, and the updated weights rounded to the compute dtype on the host on their way
+    up (`rounded` elements at once: a bucket's chunk in zero1/2, the shard in zero3)."""
+    p.add("transient", in_flight * chunk * rb, f"reduced chunks copied to the host, until added into the gradient "
+                                               f"shard (at most the {in_flight} in flight)", place="host")
+    if c != s and rounded:
+        p.add("transient", rounded * c, "updated weights rounded to the compute dtype on the host, on their way to "
+                                        "the device", when="step", place="host")
 
 
 def _quantized_transients(p, largest: list[int], N: int, per_node: int, settings: dict) -> None:

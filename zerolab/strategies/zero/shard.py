@@ -111,7 +111,8 @@ class ShardGrads:
         shard already is the pieces' .grad."""
         copies = [(piece, shard) for g, shards in zip(self.groups, self.grad_shards)
                   for piece, shard in zip(g.pieces, shards) if shard is not piece.grad]
-        nbytes = sum(shard.numel() * 4 for _, shard in copies)
+        # (offload: the copies are the host's, not the device's transients)
+        nbytes = 0 if self.offload_optimizer else sum(shard.numel() * 4 for _, shard in copies)
         for piece, shard in copies:
             piece.grad = shard.float()
         self.transient.alloc(nbytes, "step")

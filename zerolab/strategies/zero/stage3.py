@@ -138,16 +138,16 @@ class Zero3Strategy(Zero2Strategy):
         # or bf16 the persistent chunks hold the master (shard.py): the optimizer writes them.
         if self.master_mode != "fp32":
             self.local = [g.storage.weights[0] for g in self.groups]
-        else:
+        else:  # offload (offload.py): on the host with the parameters, else a device copy of the host's
             dtype, rounding = self.precision.compute_dtype, self.precision.weight_rounding
-            self.local = [g.master.data if self.shard_dtype == dtype else derived_weight(g.master.data, dtype, rounding)
-                          for g in self.groups]
+            self.local = self._make_local([g.master.data if self.shard_dtype == dtype
+                                           else derived_weight(g.master.data, dtype, rounding) for g in self.groups])
         self.optimizer = self._make_optimizer(param_groups, make_optimizer)
         self.pending: deque = deque()  # reduce-scatters in flight (base.py)
         self.next_launch = 0
         self.sync = True  # zero2's path: never False, every micro-batch reduces
         self.gathers: dict[int, tuple] = {}  # all-gathers in flight: bucket index -> (work, input chunk)
-        self._gather_input_bytes: dict[int, int] = {}  # base.py's; stays empty: the inputs are the persistent chunks
+        self._gather_input_bytes: dict[int, int] = {}  # base.py's; empty unless offload_params stages the chunks
         self.live: set[int] = set()  # buckets whose full buffer exists (gathered or in flight)
         self.in_backward = False  # between the first unit's backward gather and the end of backward
         self.secondary = self._make_secondary()  # hpZ (module docstring); [] without it
@@ -219,8 +219,8 @@ class Zero3Strategy(Zero2Strategy):
             self.transient.alloc(b.size * b.flat_params.element_size(), "backward")
             if self.secondary and self.in_backward:
                 group, chunk = self.layout.local_group, self.secondary[i]
-            else:
-                group, chunk = self.shard_group, self._chunk(b)
+            else:  # (offload_params: the host's chunk, copied to the device first)
+                group, chunk = self.shard_group, self._staged_chunk(i, self._chunk(b))
                 if self.settings.quantize_weights:
                     work, keep, finish = gather_quantized(b.flat_params, chunk, group, self.shards,
                                                           self.settings.quant_block, self.comm, self.transient)
@@ -340,7 +340,7 @@ class Zero3Strategy(Zero2Strategy):
             return [[g.master.grad] for g in self.groups]
         for g in self.groups:
             g.master.grad = None
-        return [[torch.zeros(g.master.numel(), dtype=self.reduce_dtype, device=self.ctx.device)] for g in self.groups]
+        return [[self._shard_zeros(g.master.numel(), self.reduce_dtype)] for g in self.groups]
 
     # ---- step -------------------------------------------------------------------------------
     def step(self, lr: float, measure: Measure = Measure.NOTHING):
@@ -359,7 +359,7 @@ class Zero3Strategy(Zero2Strategy):
 
     @torch.no_grad()
     def _refresh_local(self) -> None:
-        if self.master_mode != "fp32":
+        if self.master_mode != "fp32" or self._local_to_device():  # (offload.py: the host's, rounded there)
             return  # the persistent chunks are the master's weights: the optimizer wrote them
         for g, local in zip(self.groups, self.local):
             if local is g.master.data:
@@ -375,12 +375,12 @@ class Zero3Strategy(Zero2Strategy):
         between steps, where the trainer measures); in fp32 and bf16_pure the chunks are the
         shard the optimizer updates, counted once, as params, and master is 0."""
         self._wait_gathers()
-        c = StorageCounter()
-        c.add("params", self.local).add("params", (b.flat_params for b in self.buckets)).add("params", self.secondary)
-        c.add("grads", self._all_grad_shards())
-        c.add("master", (g.master for g in self.groups))
+        c, where = StorageCounter(), self.shard_place  # offload: the optimizer's side is the host's
+        c.add("params", self.local, "host" if self.offload_params else "device")
+        c.add("params", (b.flat_params for b in self.buckets)).add("params", self.secondary)
+        c.add("grads", self._all_grad_shards(), where).add("master", (g.master for g in self.groups), where)
         c.add("master", (r for g in self.groups for r in g.storage.remainders))
-        c.add_optimizer(self.optimizer)
+        c.add_optimizer(self.optimizer, where)
         c.add("buffers", (b.comm_buf for b in self.buckets)).add("buffers", self.model.buffers())
         return c.result()
 
