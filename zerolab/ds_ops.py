@@ -24,6 +24,8 @@ _log = logging.getLogger("zerolab")
 
 # The builder classes DeepSpeed's CPU accelerator loads for zerolab's configurations.
 CPU_OPS = {"ShareMemCommBuilder": "deepspeed_shm_comm", "FusedAdamBuilder": "fused_adam"}
+# and the one strategy.offload_optimizer needs: DeepSpeedCPUAdam, the host's step (minutes to compile)
+OFFLOAD_OPS = {"CPUAdamBuilder": "cpu_adam"}
 
 
 def ops_dir() -> str:
@@ -37,14 +39,15 @@ def use_prebuilt() -> str:
     return path
 
 
-def built_ops() -> dict[str, bool]:
-    """op name -> whether its shared library exists under ops_dir() (any torch build tag)."""
+def built_ops(ops: dict = CPU_OPS) -> dict[str, bool]:
+    """op name -> whether its shared library exists under ops_dir() (any torch build tag), for the
+    ops of `ops` (builder -> op name)."""
     # With TORCH_EXTENSIONS_DIR set, torch builds into <dir>/<op>/; its default cache adds a
     # <python+device tag>/ level (py311_cpu/<op>/).
     root = ops_dir()
     subdirs = [os.path.join(root, d) for d in os.listdir(root)] if os.path.isdir(root) else []
     return {op: any(os.path.exists(os.path.join(d, f"{op}.so")) or os.path.exists(os.path.join(d, op, f"{op}.so"))
-                    for d in [os.path.join(root, op), *subdirs]) for op in CPU_OPS.values()}
+                    for d in [os.path.join(root, op), *subdirs]) for op in ops.values()}
 
 
 def missing_reason() -> str | None:
@@ -64,7 +67,7 @@ def build() -> int:
     if accel.device_name() != "cpu":
         print(f"DeepSpeed accelerator is {accel.device_name()}: its ops build on first use (not prebuilt here)")
         return 0
-    for builder_name, op in CPU_OPS.items():
+    for builder_name, op in {**CPU_OPS, **OFFLOAD_OPS}.items():
         t0 = time.perf_counter()
         builder = accel.create_op_builder(builder_name)
         if builder is None or not builder.is_compatible():
@@ -161,7 +164,7 @@ def main(argv: list[str]) -> int:
     if argv[:1] == ["build"]:
         return build()
     if argv[:1] == ["status"]:
-        for op, ok in built_ops().items():
+        for op, ok in {**built_ops(), **built_ops(OFFLOAD_OPS)}.items():
             print(f"{op}: {'built' if ok else 'missing'} in {ops_dir()}")
         return 0 if missing_reason() is None else 1
     print("usage: python -m zerolab.ds_ops {build,status}", file=sys.stderr)

@@ -91,6 +91,12 @@ def build_ds_config(cfg, world_size: int, grad_element_size: int) -> dict:
     if s.stage == 3:
         ds["zero_optimization"].update({"stage3_prefetch_bucket_size": bucket,
                                         "stage3_param_persistence_threshold": 0})
+    # ZeRO-Offload / ZeRO-Infinity as DeepSpeed spells them; pinned host buffers need CUDA's driver
+    pin = torch.cuda.is_available()
+    if s.offload_optimizer:
+        ds["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": pin}
+    if s.offload_params:
+        ds["zero_optimization"]["offload_param"] = {"device": "cpu", "pin_memory": pin}
     if p.name == "bf16":
         ds["bf16"] = {"enabled": True}
     elif p.name == "fp16":
@@ -198,6 +204,7 @@ class DeepSpeedStrategy(DeepSpeedCheckpointing, Strategy):
         if cfg.precision.name == "bf16_pure":
             raise ConfigError("precision=bf16_pure has no DeepSpeed equivalent (DeepSpeed always keeps fp32 "
                               "master weights in bf16); use precision=bf16 or fp32")
+        refuse_offload(cfg)
         if name in ("lamb", "lars") and not s.client_optimizer:
             raise ConfigError(
                 f"optim={name} under strategy=deepspeed: DeepSpeed's ZeRO hands the optimizer flat "
@@ -309,28 +316,36 @@ class DeepSpeedStrategy(DeepSpeedCheckpointing, Strategy):
     # ---- memory ------------------------------------------------------------------------------
     def _measure(self) -> dict[str, int]:
         o, c = self.optimizer, StorageCounter()
+        zero = self.ds_config["zero_optimization"]
+        # where each state lives, from the config (on a CPU both places are the same memory)
+        ph = "host" if (zero.get("offload_param") or {}).get("device") == "cpu" else "device"
+        oh = "host" if (zero.get("offload_optimizer") or {}).get("device") == "cpu" else "device"
         params = list(self.module.parameters())
-        if self.ds_config["zero_optimization"]["stage"] == 3:  # (an override may set it)
-            c.add("params", (getattr(p, "ds_tensor", p) for p in params))
+        if zero["stage"] == 3:  # (an override may set it)
+            c.add("params", (getattr(p, "ds_tensor", p) for p in params), ph)
             # parameters under stage3_param_persistence_threshold stay whole on every rank
             c.add("params", (p.data for p in params if getattr(p, "ds_persist", False)))
             # hpZ (zero_hpz_partition_size): each tensor's secondary partition over its group
             c.add("params", (t for t in (getattr(p, "ds_secondary_tensor", None) for p in params) if t is not None))
             fp32 = getattr(o, "fp32_partitioned_groups_flat", [])
-            c.add("master", fp32)
-            c.add("grads", (t.grad for t in fp32))
-            c.add("params", getattr(o, "fp16_partitioned_groups_flat", []))
+            c.add("master", fp32, oh)
+            c.add("grads", (t.grad for t in fp32), oh)
+            c.add("params", getattr(o, "fp16_partitioned_groups_flat", []), ph)
         else:
             # Model params are views into the flat bit16 groups: one storage each.
             c.add("params", getattr(o, "bit16_groups_flat", [])).add("params", params)
             fp32 = getattr(o, "single_partition_of_fp32_groups", [])
-            c.add("master", fp32)
-            c.add("grads", (t.grad for t in fp32))
+            c.add("master", fp32, oh)
+            c.add("grads", (t.grad for t in fp32), oh)
             c.add("grads", [getattr(o, "grads_in_partition", None)])
+            # offload's 16-bit copy of the partition and the staging buffers on either side
+            c.add("buffers", getattr(o, "param_buffer_of_bit16_for_cpu_offload_groups", []), "host")
+            c.add("buffers", [getattr(o, "temp_grad_buffer_for_cpu_offload", None)], "host")
+            c.add("buffers", [getattr(o, "temp_grad_buffer_for_gpu_offload", None)])
         for grads in getattr(o, "averaged_gradients", {}).values():
             c.add("grads", grads or [])
         c.add("grads", (p.grad for p in params))
-        c.add_optimizer(self.inner)
+        c.add_optimizer(self.inner, oh)
         c.add("buffers", (b for b in getattr(o, "ipg_buffer", None) or [] if isinstance(b, torch.Tensor)))
         c.add("buffers", self.module.buffers())
         return c.result()
@@ -393,3 +408,22 @@ def refuse_missing_kernels(overrides: dict, device: str) -> None:
                           "implement. On this machine use zerolab's own: strategy=zero3 strategy.quantize_weights=true "
                           "strategy.quantize_grads=true (docs/nodes.md); or run DeepSpeed's on a GPU "
                           "(zero_hpz_partition_size runs on a CPU too)")
+
+
+def refuse_offload(cfg) -> None:
+    """Refuse, before any process starts, the offload settings DeepSpeed cannot honour."""
+    s, name = cfg.strategy, cfg.optim.name
+    if s.offload_params and s.stage != 3:
+        raise ConfigError(f"strategy.offload_params=true under strategy=deepspeed strategy.stage={s.stage}: DeepSpeed "
+                          "offloads parameters (its zero_optimization.offload_param) under stage 3 only, where they "
+                          "are partitioned. Use strategy.stage=3, or strategy.offload_optimizer=true alone (stages "
+                          "1-3), or zerolab's strategy=zero3 strategy.offload_params=true")
+    if s.offload_optimizer and s.stage == 0:
+        raise ConfigError("strategy.offload_optimizer=true under strategy=deepspeed strategy.stage=0: DeepSpeed's "
+                          "offload_optimizer is part of its ZeRO optimizer (stages 1-3). Use strategy.stage=1, 2 or "
+                          "3, or zerolab's strategy=zero1/zero2/zero3 strategy.offload_optimizer=true")
+    if (s.offload_optimizer or s.offload_params) and name not in DEEPSPEED_OPTIMIZERS:
+        raise ConfigError(f"optim={name} with DeepSpeed's offload: DeepSpeed steps an offloaded optimizer with its own "
+                          "CPU kernels (DeepSpeedCPUAdam for adam and adamw) and refuses a client optimizer there. "
+                          "Use optim=adamw or adam, or zerolab's own strategy=zero1/zero2/zero3 with "
+                          f"strategy.offload_optimizer=true, whose {name} steps on the host unchanged")

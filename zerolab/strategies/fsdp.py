@@ -24,7 +24,8 @@ import torch.nn as nn
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from zerolab.accounting import MIXED, StorageCounter, ceil_div, dtype_name, element_states, fmt_n, state_bytes
+from zerolab.accounting import (CATEGORIES, MIXED, MODEL_STATES, StorageCounter, ceil_div, dtype_name, element_states,
+                                fmt_n, placed, state_bytes)
 from zerolab.models import find_blocks, place
 from zerolab.precision import COMPUTE_BYTES
 from zerolab.numerics import Measure, StepInfo
@@ -151,7 +152,10 @@ class FSDPStrategy(Strategy):
 
     # ---- memory --------------------------------------------------------------------------------
     def _measure(self) -> dict[str, int]:
-        c = StorageCounter()
+        # CPUOffloadPolicy keeps every sharded state on the host (said, not read from the tensors:
+        # on a CPU both places are the same memory)
+        c = StorageCounter({k: "host" for k in ("params", "master", "grads", "optim_state")}
+                           if self.settings.offload_params else None)
         shards = [_local(q) for q in self.params]
         # Under mixed precision the fp32 shards are the master weights; the compute-dtype copies
         # exist only while a unit is gathered.
@@ -162,8 +166,15 @@ class FSDPStrategy(Strategy):
         return c.result()
 
     def memory(self) -> dict[str, int]:
-        """The larger of what existed just before the last update (gradients alive) and now."""
-        return larger_of(self._step_mem, self._measure())
+        """The larger of what existed just before the last update (gradients alive) and now, each
+        category on its own; the totals and places summed again from them."""
+        most = larger_of(self._step_mem, self._measure())
+        before = self._step_mem  # (larger_of keeps the keys of now: host/grads is gone after the step)
+        host = {c: max(most.get(f"host/{c}", 0), before.get(f"host/{c}", 0)) for c in CATEGORIES}
+        out = {c: most[c] for c in CATEGORIES}
+        out["model_states"] = sum(out[c] for c in MODEL_STATES)
+        out["total"] = sum(out[c] for c in CATEGORIES)
+        return placed(out, host)
 
     # ---- weights -------------------------------------------------------------------------------
     @torch.no_grad()
@@ -177,25 +188,29 @@ class FSDPStrategy(Strategy):
 
     # ---- memory prediction (zerolab.memory asks it; Strategy.predict_memory says how) ----------
     @classmethod
-    def predict_memory(cls, p, shape, *, world, precision, k, rank, **_) -> None:
+    def predict_memory(cls, p, shape, *, world, precision, k, rank, settings=None, **_) -> None:
         """FSDP2 (fully_shard): every parameter is a DTensor sharded on dim 0 in chunks of
         ceil(rows/N) rows; rank r holds rows [r·chunk, (r+1)·chunk) of each, fewer (or none) on the
         last ranks. The sharded weights and gradients are stored padded to a whole chunk on every
         rank; the optimizer state, made like the local shard, holds only the rows the rank has.
         With MixedPrecisionPolicy the sharded parameters stay fp32 (they are the master weights)
-        and the compute-dtype copy exists only while a module runs."""
+        and the compute-dtype copy exists only while a module runs. With CPUOffloadPolicy (both
+        offload settings) every sharded state is on the host; the device keeps the gathered units."""
         c, dt, N = COMPUTE_BYTES[precision], dtype_name(precision), world
+        at = "host" if (settings or {}).get("offload_params") else "device"
         shard = sum(ceil_div(s[0], N) * math.prod(s[1:]) for s in shape.shapes)
         held = sum(max(0, min(ceil_div(s[0], N), s[0] - rank * ceil_div(s[0], N))) * math.prod(s[1:])
                    for s in shape.shapes)  # this rank's rows, unpadded
         s = state_bytes(precision)
         kind = "bf16" if s == 2 else "fp32"
         if precision in MIXED:
-            p.add("master", shard * 4, f"fp32 sharded parameters (the optimizer's weights): {fmt_n(shard)} × 4")
+            p.add("master", shard * 4, f"fp32 sharded parameters (the optimizer's weights): {fmt_n(shard)} × 4",
+                  place=at)
         else:
-            p.add("params", shard * s, f"{kind} sharded parameters: {fmt_n(shard)} × {s}")
-        p.add("grads", shard * s, f"{kind} sharded gradients: {fmt_n(shard)} × {s}")
-        p.add("optim_state", held * k * s, f"optimizer state of rank {rank}'s rows: {fmt_n(held)} × {k:g} × {s}")
+            p.add("params", shard * s, f"{kind} sharded parameters: {fmt_n(shard)} × {s}", place=at)
+        p.add("grads", shard * s, f"{kind} sharded gradients: {fmt_n(shard)} × {s}", place=at)
+        p.add("optim_state", held * k * s, f"optimizer state of rank {rank}'s rows: {fmt_n(held)} × {k:g} × {s}",
+              place=at)
         if shape.buffer_bytes:  # fully_shard leaves buffers whole on every rank (RoPE's inv_freq, say)
             p.add("buffers", shape.buffer_bytes, "model buffers")
         biggest = max(math.prod(s_) for s_ in shape.shapes)
