@@ -190,6 +190,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--modes", action="store_true",
                    help="bytes per parameter per rank of every master/state mode (a column each) beside the paper's, "
                         "for every strategy that holds its own master, at --world")
+    p.add_argument("--offload", action="store_true",
+                   help="device and host bytes per rank (and host per node) of zero1/2/3 in every offload mode, "
+                        "beside DeepSpeed's estimator, at --world ranks on one node (docs/offload.md)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.add_argument("--sweep-world", help="comma-separated world sizes, e.g. 1,2,4,8,16,64: one line per strategy")
     p.add_argument("--plot", help="with --sweep-world: also write this PNG (GB per rank against N)")
@@ -259,6 +262,12 @@ def cli_main(argv: list[str]) -> int:
             return 0
         if args.modes:
             print(format_modes(shape, args.world, args.optim, args.bucket_mb))
+            return 0
+        if args.offload:
+            from zerolab.memory.offload import format_offload, offload_rows
+
+            print(json.dumps(offload_rows(shape, args.world, args.precision, args.optim, args.bucket_mb), indent=2)
+                  if args.json else format_offload(shape, args.world, args.precision, args.optim, args.bucket_mb))
             return 0
         pred, reference = _one(args, shape)
     except (ValueError, NotImplementedError) as e:
