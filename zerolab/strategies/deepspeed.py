@@ -342,9 +342,10 @@ class DeepSpeedStrategy(DeepSpeedCheckpointing, Strategy):
             c.add("buffers", getattr(o, "param_buffer_of_bit16_for_cpu_offload_groups", []), "host")
             c.add("buffers", [getattr(o, "temp_grad_buffer_for_cpu_offload", None)], "host")
             c.add("buffers", [getattr(o, "temp_grad_buffer_for_gpu_offload", None)])
+        gh = oh if zero["stage"] == 3 else "device"  # stage 3 fills its gradient partitions on the host
         for grads in getattr(o, "averaged_gradients", {}).values():
-            c.add("grads", grads or [])
-        c.add("grads", (p.grad for p in params))
+            c.add("grads", grads or [], gh)
+        c.add("grads", (p.grad for p in params), gh)
         c.add_optimizer(self.inner, oh)
         c.add("buffers", (b for b in getattr(o, "ipg_buffer", None) or [] if isinstance(b, torch.Tensor)))
         c.add("buffers", self.module.buffers())

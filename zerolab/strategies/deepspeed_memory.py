@@ -161,15 +161,18 @@ def _stage_3(p, shape: ModelShape, zero: ZeroConfig, N: int, precision: str, k: 
     if secondary:
         p.add("params", secondary * c, f"hpZ's secondary copy (zero_hpz_partition_size={zero.hpz}): each partitioned "
                                        f"tensor, padded to N, over {zero.hpz} ranks: {fmt_n(secondary)} × {c}")
-    p.add("grads", part * c, f"{dt} gradient partitions (flat buffer): {fmt_n(part)} × {c}")
-    p.add("transient", part * 4, f"fp32 gradient partition, alive inside step() only: {fmt_n(part)} × 4", when="step",
-          place=oh)
+    if zero.offload_optimizer:  # stage3.py: the fp32 partition's gradient is filled on the host during backward
+        p.add("grads", part * 4, f"fp32 gradient partition on the host: {fmt_n(part)} × 4", place=oh)
+    else:
+        p.add("grads", part * c, f"{dt} gradient partitions (flat buffer): {fmt_n(part)} × {c}")
+        p.add("transient", part * 4, f"fp32 gradient partition, alive inside step() only: {fmt_n(part)} × 4",
+              when="step")
     p.add("master", part * 4, f"fp32 weight partition (kept even in fp32 training): {fmt_n(part)} × 4", place=oh)
     p.add("optim_state", part * k * 4, f"optimizer state of the partition: {fmt_n(part)} × {k:g} × 4", place=oh)
     p.add("transient", min(zero.bucket * c, n * c), f"{dt} reduce bucket during backward (reduce_bucket_size)")
     if zero.offload_optimizer or zero.offload_params:
-        p.notes.append("stage 3 offload: the states by place; DeepSpeed's staging buffers for the copies are not "
-                       "modelled")
+        p.notes.append("stage 3 offload: the states by place; not modelled: DeepSpeed's staging buffers for the "
+                       "copies and, under 16-bit precision, its 16-bit gradient buffer on the host")
     p.add("transient", max(sizes) * c, "weights all-gathered for the module being computed (largest tensor)")
     p.why = ("each tensor padded to N; " + ("an fp32 weight partition (4Ψ/N) even in fp32 training; "
                                             if precision == "fp32" else "")
