@@ -36,6 +36,8 @@ from zerolab.precision_modes import Mode
 from zerolab.memory import Prediction, human_bytes, load_model_config, shape_from_model_config, sweep_predictions
 from zerolab.memory.peak import predicted_peak
 from zerolab.predict import cli as predict_cli
+from zerolab.predict import host as offload
+from zerolab.predict.plan_tables import format_exact, format_speed  # noqa: F401  (format_speed: tests import it here)
 
 CATEGORIES = ("params", "grads", "master", "optim_state", "buffers", "activations", "transient")
 MAX_MICRO_BATCH = 1 << 16
@@ -91,17 +93,18 @@ class Fit:
     breakdown: dict = field(default_factory=dict)
     phase: str = "backward"  # the moment that sets the peak
     dominant: str = ""
+    host: int = 0  # an offload row's host bytes per node (its ranks share the node's memory)
 
     def to_dict(self) -> dict:
         return {"strategy": self.label, "checkpointing": self.checkpointing, "max_micro_batch": self.micro_batch,
                 "peak_bytes": self.peak, "phase": self.phase, "dominant": self.dominant,
-                "bytes": dict(self.breakdown)}
+                "bytes": dict(self.breakdown), **({"host_bytes_per_node": self.host} if self.host else {})}
 
 
 class Planner:
     def __init__(self, mcfg, world: int, seq: int, precision: str = "bf16", optim: str = "adamw",
                  device: str = "cuda", bucket_mb: float = 25.0, every_k: int = 2, activations=None,
-                 mode: Mode = Mode()):
+                 mode: Mode = Mode(), host_mem: int = 0, ranks_per_node: int = 8):
         """`activations(micro_batch, checkpointing)` -> an activation prediction; default
         zerolab.activations' formula for zerolab's models (a user's model: rehearsal.activation_model)."""
         if world < 1:
@@ -120,6 +123,11 @@ class Planner:
         self.states: dict[str, Prediction] = {
             label: row[0] for label, row in sweep_predictions(self.shape, [world], precision, optim, bucket_mb,
                                                               mode=mode).items()}
+        # host_mem (a node's host memory budget, --host-mem): each row's offload variants after it
+        # (zerolab.predict.host), held to the host's memory too; not under a master mode (refused there)
+        self.host_mem, self.node = host_mem, max(1, min(world, ranks_per_node))
+        if host_mem and mode == Mode():
+            self.states = offload.with_offload_rows(self.states, self.shape, world, precision, optim, bucket_mb)
 
     def peak(self, label: str, micro_batch: int, checkpointing: str) -> tuple[int, dict, str]:
         """(peak bytes, bytes by category at that moment, the moment: backward | step)."""
@@ -128,7 +136,12 @@ class Planner:
         return pk.bytes, pk.categories, pk.phase
 
     def fit(self, label: str, budget: int, checkpointing: str) -> Fit:
-        """The largest micro-batch whose peak is at most `budget` (peak grows with it: bisection)."""
+        """The largest micro-batch whose peak is at most `budget` (peak grows with it: bisection);
+        none where an offload row's host bytes per node are over --host-mem's budget."""
+        host = offload.host_bytes(self.states[label]) * self.node if offload.split_label(label)[1] else 0
+        if host > self.host_mem:
+            peak, parts, phase = self.peak(label, 1, checkpointing)
+            return Fit(label, checkpointing, 0, peak, parts, phase, "host memory", host)
         lo, hi = 0, 1
         while hi <= MAX_MICRO_BATCH and self.peak(label, hi, checkpointing)[0] <= budget:
             lo, hi = hi, hi * 2
@@ -138,11 +151,11 @@ class Planner:
             lo, hi = (mid, hi) if self.peak(label, mid, checkpointing)[0] <= budget else (lo, mid)
         peak, parts, phase = self.peak(label, max(lo, 1), checkpointing)
         dominant = max(parts, key=parts.get)
-        return Fit(label, checkpointing, lo, peak, parts, phase, dominant)
+        return Fit(label, checkpointing, lo, peak, parts, phase, dominant, host)
 
     def table(self, budget: int) -> list[Fit]:
         return [self.fit(label, budget, ck) for label in self.states for ck in PLANNED_CHECKPOINTING
-                if (label, ck) not in REFUSED]
+                if (offload.split_label(label)[0], ck) not in REFUSED]
 
 
 def format_plan(planner: Planner, fits: list[Fit], gpu_mem: int, margin: float) -> str:
@@ -151,23 +164,33 @@ def format_plan(planner: Planner, fits: list[Fit], gpu_mem: int, margin: float) 
              f"{m.config or m.target}, V {m.vocab_size}")
     head = (f"{m.name}: {planner.shape.n_params:,} parameters ({shape}) | {planner.precision} | {planner.optim} | "
             f"world {planner.world} | seq {planner.seq} | activations as on {planner.device}")
-    lines = [head, f"budget per rank: {human_bytes(budget)} = {human_bytes(gpu_mem)} × (1 − margin {margin:g})", ""]
-    cols = f"{'strategy':<12} {'ckpt':<9} {'max mb':>7} {'peak/rank':>10}  " + " ".join(
-        f"{c:>11}" for c in ("states", "activations", "transient")) + "  dominant"
+    lines = [head, f"budget per rank: {human_bytes(budget)} = {human_bytes(gpu_mem)} × (1 − margin {margin:g})"]
+    host = planner.host_mem  # offload rows: the host's column, its budget per node
+    lines += ([f"host budget per node of {planner.node} rank(s): {human_bytes(host)} (--host-mem × (1 − margin))"]
+              if host else []) + [""]
+    w = max([12] + [len(f.label) for f in fits])
+    cols = f"{'strategy':<{w}} {'ckpt':<9} {'max mb':>7} {'peak/rank':>10}  " + " ".join(
+        f"{c:>11}" for c in ("states", "activations", "transient")) + (f" {'host/node':>11}" if host else "") \
+        + "  dominant"
     lines += [cols, "-" * len(cols)]
     for f in fits:
         states = sum(f.breakdown[k] for k in ("params", "grads", "master", "optim_state", "buffers"))
         mb = str(f.micro_batch) if f.micro_batch else "none"
         at = "" if f.micro_batch else " (at mb 1)"
-        lines.append(f"{f.label:<12} {f.checkpointing:<9} {mb:>7} {human_bytes(f.peak):>10}  "
+        lines.append(f"{f.label:<{w}} {f.checkpointing:<9} {mb:>7} {human_bytes(f.peak):>10}  "
                      f"{human_bytes(states):>11} {human_bytes(f.breakdown['activations']):>11} "
-                     f"{human_bytes(f.breakdown['transient']):>11}  {f.dominant}"
+                     f"{human_bytes(f.breakdown['transient']):>11}"
+                     + (f" {human_bytes(f.host) if f.host else '-':>11}" if host else "") + f"  {f.dominant}"
                      + (" (optimizer step)" if f.phase == "step" else "") + at)
     lines += ["", "max mb: the largest micro-batch per rank whose predicted peak fits the budget ('none': not even 1).",
               "peak = model states + buffers (python -m zerolab memory) + activations saved for backward + transients "
               "of the same moment (logits gradients 8·b·s·V bytes, one recomputed block with checkpointing, the "
               "strategy's buckets / gathered weights); or the optimizer step's, if larger. Not counted: CUDA context, "
               "fragmentation (the margin), NCCL buffers. See zerolab/plan.py."]
+    if host:
+        lines.append("+offload: the optimizer's shard, its gradient and state on the host (ZeRO-Offload, Ren et al. "
+                     "2021); +offload+p: the parameter shards too (ZeRO-Infinity, Rajbhandari et al. 2021). host/node: "
+                     "the host bytes of a node's ranks together (pinned staging included); peak/rank is the device's.")
     return "\n".join(lines)
 
 
@@ -200,9 +223,12 @@ def plot_plan(path: str, planner: Planner, fits: list[Fit], gpu_mem: int, margin
 
 # ---- --exact: the chosen micro-batches rehearsed (zerolab.rehearsal) -------------------------------
 def strategy_overrides(label: str) -> list[str]:
-    """A plan row's strategy label (its MemoryModel.memory_identity: name, or name-<stage>) as overrides."""
-    name, _, stage = label.partition("-")
-    return [f"strategy={name}"] + ([f"strategy.stage={stage}"] if stage else [])
+    """A plan row's strategy label (its MemoryModel.memory_identity: name, or name-<stage>, and an
+    offload row's suffix: zerolab.predict.host) as overrides."""
+    base, settings = offload.split_label(label)
+    name, _, stage = base.partition("-")
+    return [f"strategy={name}"] + ([f"strategy.stage={stage}"] if stage else []) + [
+        f"strategy.{k}=true" for k in settings]
 
 
 def model_overrides(mcfg) -> list[str]:
@@ -249,25 +275,6 @@ def confirm(fit: Fit, planner: Planner, job: list[str], budget: int) -> dict:
                 best, best_peak = mid, got
     return {"rehearsed_micro_batch": best, "rehearsed_peak_bytes": best_peak, "planned_peak_rehearsed_bytes": at,
             "not_rehearsed": ""}
-
-
-def format_exact(fits: list[Fit], confirmed: list[dict], budget: int) -> str:
-    lines = ["", f"--exact: each row rehearsed on rank 0 (python -m zerolab dry-run), against the budget "
-                 f"{human_bytes(budget)}:",
-             f"{'strategy':<12} {'ckpt':<9} {'plan mb':>7} {'rehearsed peak':>15}  verdict"]
-    for f, c in zip(fits, confirmed):
-        if c["not_rehearsed"]:
-            verdict, shown = f"not rehearsed: {c['not_rehearsed'].split(' (')[0]}", "-"
-        elif c["rehearsed_micro_batch"] == f.micro_batch:
-            verdict, shown = "fits, as planned", human_bytes(c["planned_peak_rehearsed_bytes"])
-        else:
-            verdict = (f"over the budget at mb {f.micro_batch}; the largest that fits: "
-                       f"{c['rehearsed_micro_batch'] or 'none'}")
-            shown = human_bytes(c["planned_peak_rehearsed_bytes"])
-        lines.append(f"{f.label:<12} {f.checkpointing:<9} {f.micro_batch or 'none':>7} {shown:>15}  {verdict}")
-    lines.append("A rehearsal runs the job's own step on fake tensors with CPU kernels: where they save other "
-                 "tensors than a GPU's (attention with dropout), its activations are the CPU's.")
-    return "\n".join(lines)
 
 
 def _model(args) -> tuple:
@@ -322,7 +329,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--seq", type=int, default=0, help="sequence length (default: the model's block_size)")
     p.add_argument("--precision", default="bf16", choices=list(COMPUTE_BYTES))
     p.add_argument("--optim", default="adamw", help="adamw | adam | lamb | lars | sgd | sgd_momentum")
-    p.add_argument("--margin", type=float, default=0.1, help="share of GPU memory kept free (default 0.1)")
+    p.add_argument("--margin", type=float, default=0.1, help="share of GPU and host memory kept free (default 0.1)")
+    p.add_argument("--host-mem", default="", help="host memory per node, with a unit (e.g. 2TB): adds offload rows, "
+                                                  "held to it with the node's ranks together (--gpus-per-node, 8)")
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
                    help="whose kernels save the activations (attention, dropout masks differ)")
     p.add_argument("--bucket-mb", type=float, default=25.0, help="strategy.bucket_mb")
@@ -345,10 +354,12 @@ def cli_main(argv: list[str]) -> int:
         gpu_mem = parse_bytes(args.gpu_mem)
         if not 0 <= args.margin < 1:
             raise ValueError(f"--margin={args.margin} must be in [0, 1)")
+        host_mem = int(parse_bytes(args.host_mem, "--host-mem") * (1 - args.margin)) if args.host_mem else 0
         mcfg, job, activations = _model(args)
         planner = Planner(mcfg, args.world, args.seq or mcfg.block_size, args.precision, args.optim,
                           "cpu (rehearsed)" if activations else args.device, args.bucket_mb, activations=activations,
-                          mode=mode_of(job))
+                          mode=mode_of(job), host_mem=host_mem,
+                          ranks_per_node=args.gpus_per_node or predict_cli.DEFAULT_GPUS_PER_NODE)
         topo = predict_cli.topology(args, args.world) if args.hardware else None
         micro_batches = sorted({int(b) for b in args.micro_batches.split(",")})
         if min(micro_batches) < 1:
@@ -393,44 +404,40 @@ def _print(args, planner: Planner, fits: list[Fit], confirmed: list[dict], speed
 # ---- --hardware: what fits, ranked by predicted speed (zerolab.predict) ------------------------------
 def rank_by_speed(planner: Planner, job: list[str], fits: list[Fit], topo, micro_batches: list[int]) -> dict:
     """Every (row, micro-batch) that fits, its step rehearsed (rank 0, recorded) and priced on
-    `topo`, fastest first; rows that cannot be rehearsed (DeepSpeed) are listed apart."""
+    `topo`, fastest first; rows that cannot be rehearsed (DeepSpeed) are listed apart. An offload
+    row is its job without offload, rehearsed once for both, with the host's side priced on it."""
     from zerolab.rehearsal import rehearse
 
-    rows, skipped, assumptions = [], [], []
+    rows, skipped, assumptions, host_notes, seen = [], [], [], [], {}
     nodes = [f"dist.ranks_per_node={predict_cli.ranks_per_node(topo)}"] if predict_cli.ranks_per_node(topo) else []
     for fit in fits:
+        base, settings = offload.split_label(fit.label)
         for mb in (b for b in micro_batches if b <= fit.micro_batch):
             if fit.label in {s["strategy"] for s in skipped}:
                 break
-            r = rehearse([*row_overrides(planner, job, fit, mb), *nodes], world=planner.world, record=True, quick=True)
-            if r.not_rehearsed:
-                skipped.append({"strategy": fit.label, "why": r.not_rehearsed})
+            if (base, fit.checkpointing, mb) not in seen:
+                over = row_overrides(planner, job, replace(fit, label=base), mb)
+                seen[base, fit.checkpointing, mb] = rehearse([*over, *nodes], world=planner.world, record=True,
+                                                             quick=True)
+            r = seen[base, fit.checkpointing, mb]
+            why = r.not_rehearsed or ("" if not settings or offload.host_of(topo.device) else
+                                      f"no host figures for {topo.device.name} (zerolab/predict/host.py)")
+            if why:
+                skipped.append({"strategy": fit.label, "why": why})
                 break
             p = predict_cli.priced(r, topo)
+            step, parts = p.step_s, p.parts
+            if settings:
+                c = COMPUTE_BYTES[planner.precision]
+                t = offload.offloaded(r.record, p.step_s, topo, settings, n_params=planner.shape.n_params,
+                                      weight_bytes=c, grad_bytes=4 if base == "fsdp" else c)
+                step, parts, host_notes = t.step_s, {**p.parts, **t.parts}, t.assumptions
             assumptions = p.assumptions
             rows.append({"strategy": fit.label, "checkpointing": fit.checkpointing, "micro_batch": mb,
-                         "peak_bytes": planner.peak(fit.label, mb, fit.checkpointing)[0], "step_s": p.step_s,
-                         "tokens_per_s_per_device": p.tokens_per_s_per_device, "mfu": p.mfu,
-                         "comm_exposed_share": p.parts["comm_exposed"] / p.step_s if p.step_s else 0.0,
-                         "parts": p.parts})
+                         "peak_bytes": planner.peak(fit.label, mb, fit.checkpointing)[0], "step_s": step,
+                         "tokens_per_s_per_device": r.tokens_per_rank / step if step else 0.0,
+                         "mfu": p.mfu * p.step_s / step if step else 0.0, "host_bytes_per_node": fit.host,
+                         "comm_exposed_share": p.parts["comm_exposed"] / step if step else 0.0, "parts": parts})
     rows.sort(key=lambda row: -row["tokens_per_s_per_device"])
     return {"hardware": topo.device.name, "world": topo.world, "rows": rows, "not_rehearsed": skipped,
-            "assumptions": assumptions}
-
-
-def format_speed(speed: dict) -> str:
-    lines = ["", f"predicted speed on {speed['world']} x {speed['hardware']}, fastest first "
-                 f"(a prediction is a model, not a measurement):",
-             f"{'strategy':<12} {'ckpt':<9} {'mb':>4} {'peak/rank':>10} {'step':>11} {'tokens/s/dev':>13} {'MFU':>6} "
-             f"{'exposed comm':>13}"]
-    for r in speed["rows"]:
-        lines.append(f"{r['strategy']:<12} {r['checkpointing']:<9} {r['micro_batch']:>4} "
-                     f"{human_bytes(r['peak_bytes']):>10} {r['step_s'] * 1e3:>8.1f} ms "
-                     f"{r['tokens_per_s_per_device']:>13,.0f} {100 * r['mfu']:>5.1f}% "
-                     f"{100 * r['comm_exposed_share']:>12.1f}%")
-    if not speed["rows"]:
-        lines.append("(nothing fits at these micro-batches)")
-    lines += [f"not rehearsed, no time predicted: {s['strategy']} ({s['why'].split(' (')[0]})"
-              for s in speed["not_rehearsed"]]
-    lines += ["assumptions:", *(f"  - {a}" for a in speed["assumptions"])]
-    return "\n".join(lines)
+            "assumptions": assumptions + host_notes}
