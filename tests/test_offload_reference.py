@@ -88,3 +88,21 @@ def test_offload_settings_reach_the_engines_configs():
     fsdp = FSDPStrategy.__new__(FSDPStrategy)
     fsdp.settings = cfg.strategy
     assert isinstance(fsdp.offload_policy(), CPUOffloadPolicy) and fsdp.offload_policy().pin_memory == pin
+
+
+def test_the_report_names_offloaded_runs_apart_and_shows_both_places(tmp_path):
+    """`python -m zerolab compare`: an offloaded run is its own job beside the same strategy without
+    offload (labelled as the planner's rows are), and the memory table has device and host columns."""
+    from zerolab.report.runs import Run, compute_stats, label_runs
+    from zerolab.report.tables import memory_table
+
+    mem = {"rank0/mem/params_bytes": 2**20, "rank0/mem/master_bytes": 2**21, "rank0/mem/host_bytes": 2**21,
+           "rank0/mem/total_bytes": 3 * 2**20, "step": 1}
+    runs = [Run(tmp_path / name, {"strategy": {"name": "deepspeed", "stage": 2, **extra}}, [mem], {})
+            for name, extra in (("plain", {}), ("off", {"offload_optimizer": True}))]
+    label_runs(runs)
+    assert [r.label for r in runs] == ["deepspeed-s2", "deepspeed-s2+offload"]
+    for r in runs:
+        compute_stats(r)
+    table = memory_table(runs)
+    assert "| device | host |" in table and "| 1.00 | 2.00 |" in table  # MiB: 1 on the device, 2 on the host

@@ -79,7 +79,11 @@ def strategy_class(name: str):
 def label_runs(runs: list[Run]) -> None:
     for r in runs:
         cls = strategy_class(r.strategy)
-        r.label = cls.label(r.config.get("strategy", {})) if cls else r.strategy
+        s = r.config.get("strategy", {})
+        r.label = cls.label(s) if cls else r.strategy
+        # offload, as the planner names its rows: a run beside the same strategy without it is another job
+        r.label += ("+offload" if s.get("offload_optimizer") or s.get("offload_params") else "") + \
+            ("+p" if s.get("offload_params") else "")
     if len({r.precision for r in runs}) > 1:
         for r in runs:
             r.label += f"-{r.precision}"
@@ -129,12 +133,19 @@ def _rank_figures(run: Run, prefix: str) -> list[dict[str, float]]:
     """Per-rank bytes by category from the last record that has `rank{r}/<prefix>/...` keys."""
     for m in reversed(run.metrics):
         if f"rank0/{prefix}/total_bytes" in m or f"rank0/{prefix}/params_bytes" in m:
-            return [{c: m.get(f"rank{r}/{prefix}/{c}_bytes", 0) for c in CATEGORIES} for r in range(run.world)]
+            return [_placed({c: m.get(f"rank{r}/{prefix}/{c}_bytes", 0) for c in CATEGORIES},
+                            m.get(f"rank{r}/{prefix}/host_bytes", 0)) for r in range(run.world)]
     if prefix == "mem_pred":
         pred = run.summary.get("memory_ledger", {}).get("predicted_bytes_per_rank")
         if pred:
-            return [{c: p.get(c, 0) for c in CATEGORIES} for p in pred]
+            return [_placed({c: p.get(c, 0) for c in CATEGORIES}, p.get("host", 0)) for p in pred]
     return []
+
+
+def _placed(by_category: dict, host: float) -> dict:
+    """Bytes by category with the places added: host (offloaded states; 0 in a run without them, or
+    recorded before places were) and device, the rest."""
+    return {**by_category, "host": host or 0, "device": sum(by_category.values()) - (host or 0)}
 
 
 

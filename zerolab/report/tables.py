@@ -80,14 +80,17 @@ def parity_table(runs: list[Run], base: Run, par: dict[str, dict]) -> str:
 
 
 def memory_table(runs: list[Run]) -> str:
-    lines = ["| run | rank | " + " | ".join(CATEGORIES) + " | predicted model states |",
-             "|" + "---|" * (len(CATEGORIES) + 3)]
+    """Bytes per rank by category, and by place: the device's and the host's (offloaded states),
+    measured, with the prediction of each place beside them."""
+    lines = ["| run | rank | " + " | ".join(CATEGORIES) + " | device | host | predicted model states | "
+             "predicted device / host |", "|" + "---|" * (len(CATEGORIES) + 6)]
     for r in runs:
         for rank, mem in enumerate(r.stats["mem"]):
             pred = r.stats["mem_pred"][rank] if rank < len(r.stats["mem_pred"]) else None
             pred_s = _mib(sum(pred.get(c, 0) for c in ("params", "grads", "master", "optim_state"))) if pred else "—"
+            places = f"{_mib(pred.get('device', 0))} / {_mib(pred.get('host', 0))}" if pred else "—"
             lines.append(f"| {r.label} | {rank} | " + " | ".join(_mib(mem.get(c, 0)) for c in CATEGORIES) +
-                         f" | {pred_s} |")
+                         f" | {_mib(mem.get('device', 0))} | {_mib(mem.get('host', 0))} | {pred_s} | {places} |")
     return "\n".join(lines)
 
 
