@@ -3,7 +3,6 @@ in one process group (one launch for them all: starting ranks costs more than th
 as train.py would (Trainer.fit: metrics.jsonl, summary.json, model.safetensors, checkpoints), in
 OUT_DIR/<name>. The jobs come as a JSON list of [name, [override, ...]]."""
 import json
-import os
 import sys
 
 from zerolab import dist as zdist
@@ -12,7 +11,6 @@ from zerolab.trainer import Trainer
 
 
 def main(out_dir: str, jobs: list) -> None:
-    os.environ.setdefault("WANDB_MODE", "disabled")
     ctx = zdist.init(compose([]).dist)
     for name, overrides in jobs:
         cfg = validate(compose([*overrides, f"run.dir={out_dir}/{name}"]), ctx.world_size)
