@@ -36,15 +36,21 @@ run: install
 	$(PY) train.py -m experiment=compare strategy=$(STRATEGIES) $(ARGS)
 
 # The whole suite, cheap tier first: a broken formula fails in a minute, before the
-# multi-process tier (torchrun, DeepSpeed, Slurm) spends its half hour.
+# multi-process tier (torchrun, DeepSpeed, Slurm) spends its twenty minutes.
 # (Exit 5 is pytest's "nothing collected": `ARGS="-k ddp"` may select nothing in one tier.)
+# Two pytest workers (pytest-xdist), one test file each at a time (--dist loadfile: a file's
+# module-scoped runs are made once): run one at a time, a test's ranks keep the 2 cores about a
+# third busy (they wait on each other's collectives, start processes, read files), so a second
+# file fills the rest. Every test already holds beside a CPU-heavy job (docs/testing.md).
+WORKERS ?= 2
+PYTEST := $(PY) -m pytest -n $(WORKERS) --dist loadfile
 test: install slurm-deps
-	$(PY) -m pytest -m "not slow" $(ARGS) || [ $$? = 5 ]
-	$(PY) -m pytest -m slow --durations=25 $(ARGS) || [ $$? = 5 ]
+	$(PYTEST) -m "not slow" $(ARGS) || [ $$? = 5 ]
+	$(PYTEST) -m slow --durations=25 $(ARGS) || [ $$? = 5 ]
 
 # The fast tier: unit and in-process tests, no torchrun, no DeepSpeed (tests/conftest.py: tiers).
 test-fast: install
-	$(PY) -m pytest -m "not slow" $(ARGS)
+	$(PYTEST) -m "not slow" $(ARGS)
 
 # The documentation site: docs/*.md and mkdocs.yml, built offline into site/; --strict fails on a
 # broken link or anchor between pages (tests/test_docs.py checks the README's links, commands and
