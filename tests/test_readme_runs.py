@@ -79,6 +79,12 @@ def test_will_it_fit_and_will_it_be_fast_run_as_written(clone):
         assert "6,738,415,616 parameters" in out  # Llama 2 7B, as its publisher counts it
         assert re.search(rf"^model states\s+{re.escape(states)} GB\s+{re.escape(states)} GB\s+\+0$", out, re.M), out
         assert re.search(rf"^peak\s+{re.escape(peak)} GB", out, re.M), out
+        # a rank's model states: 16 bytes x parameters / 64 plus bucket padding (fewer than 64 elements
+        # in each of fewer than 2,000 buckets, 16 bytes each), within the printed 0.005 GB
+        assert 16 * 6_738_415_616 / 64 - 5e6 <= float(states) * 1e9 <= 16 * (6_738_415_616 + 63 * 2000) / 64 + 5e6
+        # nothing of the model is allocated: the dry run's own peak RSS stays under 2 GB
+        rss, unit = re.search(r"this process's peak RSS ([\d.]+) (GB|MB)", out).groups()
+        assert float(rss) * (1e9 if unit == "GB" else 1e6) < 2e9, out
     assert "tokens/s" in outputs[2] and "tokens/s" in outputs[3]  # the time model priced them
 
 
