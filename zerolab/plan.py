@@ -188,9 +188,10 @@ def format_plan(planner: Planner, fits: list[Fit], gpu_mem: int, margin: float) 
               "strategy's buckets / gathered weights); or the optimizer step's, if larger. Not counted: CUDA context, "
               "fragmentation (the margin), NCCL buffers. See zerolab/plan.py."]
     if host:
-        lines.append("+offload: the optimizer's shard, its gradient and state on the host (ZeRO-Offload, Ren et al. "
-                     "2021); +offload+p: the parameter shards too (ZeRO-Infinity, Rajbhandari et al. 2021). host/node: "
-                     "the host bytes of a node's ranks together (pinned staging included); peak/rank is the device's.")
+        lines.append("+offload: the optimizer's shard, its gradient and state on the host (ZeRO-Offload, Ren et al., "
+                     "USENIX ATC 2021); +offload+p: the parameter shards too (ZeRO-Infinity, Rajbhandari et al., SC "
+                     "2021). host/node: the host bytes of a node's ranks together (pinned staging included); "
+                     "peak/rank is the device's.")
     return "\n".join(lines)
 
 

@@ -131,7 +131,7 @@ class OffloadSettings(BucketSettings):
     # ZeRO-Offload (Ren et al. 2021): the master, the optimizer state and the optimizer step live on
     # the host; gradient shards go down as they are reduced, updated 16-bit weights come back
     offload_optimizer: bool = False
-    # ZeRO-Infinity's parameter offload (Rajbhandari et al. 2021): stage 3's parameter shards live on
+    # ZeRO-Infinity's parameter offload (Rajbhandari et al., SC 2021): stage 3's parameter shards live on
     # the host between uses and are gathered to the device unit by unit
     offload_params: bool = False
 
