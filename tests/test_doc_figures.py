@@ -8,8 +8,9 @@ them (fast tier: the commands run in this process, nothing is started).
 - docs/below-the-floor.md's bytes-per-parameter table is `python -m zerolab memory --modes`'s,
   and its sentence on zero1/zero2's fp32 gradient shard (4Ψ/N above the paper for zero1, 2Ψ/N for
   zero2, none for zero3) is what that table's columns differ by.
-- The GPU factor README and docs/predict.md state is `hardware.GPU_ACHIEVABLE`; the rows of
-  README's "Will it be fast?" table are the ones bench/RESULTS.md records.
+- The fitted share of the memory bandwidth README and docs/predict.md state is
+  `zerolab.predict.gpu.MEMORY_SHARE`; the rows of README's "Will it be fast?" table are the ones
+  bench/RESULTS.md records.
 - README's list of shipped model shapes is the list zerolab resolves.
 """
 from __future__ import annotations
@@ -109,29 +110,31 @@ def test_below_the_floor_states_the_ledgers_bytes_per_parameter(tmp_path):
     assert "zero2 2Ψ/N above" in page.replace("\n", " ")
 
 
-def test_the_gpu_factor_the_pages_state_is_the_codes():
-    from zerolab.predict.hardware import GPU_ACHIEVABLE
+def test_the_gpu_memory_share_the_pages_state_is_the_codes():
+    from zerolab.predict.gpu import FITTED_ON, MEMORY_SHARE
 
-    readme = (ROOT / "README.md").read_text()
-    predict = (ROOT / "docs" / "predict.md").read_text()
-    assert f"the factor, {GPU_ACHIEVABLE}, is chosen here" in readme
-    assert f"by bisection: {GPU_ACHIEVABLE} (" in predict.replace("\n", " ")
-    assert f"{GPU_ACHIEVABLE} on every GPU" in predict.replace("\n", " ")
+    readme = (ROOT / "README.md").read_text().replace("\n", " ")
+    predict = (ROOT / "docs" / "predict.md").read_text().replace("\n", " ")
+    share = f"{100 * MEMORY_SHARE:.1f} %"
+    assert f"share of the memory bandwidth, {share}, the one figure fitted" in readme
+    assert f"| bytes at a share of the memory bandwidth | {share} | {share} |" in predict
+    assert f"(`bench/predict_gpu.py --fit`): {MEMORY_SHARE}," in predict
+    assert FITTED_ON.startswith("llama3-8b-a100") and "Llama 3 8B with \"selective layer\"" in predict
 
 
 def test_the_will_it_be_fast_rows_are_the_records():
-    """Each row's published and predicted tokens/s and their ratio, as bench/RESULTS.md's latest
-    record of bench/predict_gpu.py states them (the prose after the 2026-12-04 table)."""
+    """Each README row's published and predicted tokens/s and their ratio are those of
+    bench/RESULTS.md's latest record of bench/predict_gpu.py, row for row."""
     readme = (ROOT / "README.md").read_text().split("\n## Will it be fast?\n", 1)[1].split("\n## ", 1)[0]
-    rows = [line for line in readme.splitlines() if line.startswith("| Llama")]
-    assert len(rows) == 2
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in readme.splitlines()
+            if line.startswith(("| torchtitan", "| llm-foundry"))]
+    assert len(rows) == 10
     record = (ROOT / "bench" / "RESULTS.md").read_text()
-    latest = record.split("The published GPU runs and the 7B at scale after the same changes", 1)[1].split("\n## ")[0]
-    fitted, predicted = ([c.strip() for c in row.strip("|").split("|")] for row in rows)
-    assert fitted[1] == "`a100`" and fitted[-3:] == ["2,876", "2,876", "1.00"]
-    assert predicted[1].startswith("`h100-hbm2e`") and predicted[2] == "a prediction"
-    assert f"predicted at {predicted[-2]} tokens/s" in latest.replace("\n", " ")
-    assert f"the published {predicted[-3]} ({predicted[-1]};" in latest.replace("\n", " ")
+    latest = record.split("## The time model by kind of kernel against ten published GPU runs")[-1].split("\n## ")[0]
+    recorded = [[c.strip() for c in line.strip("|").split("|")] for line in latest.splitlines()
+                if line.startswith(("| torchtitan", "| llm-foundry"))]
+    assert [r[-3:] for r in rows] == [r[2:5] for r in recorded]
+    assert [r[1] for r in rows] == [r[1] for r in recorded]
 
 
 def test_the_readme_lists_the_shipped_shapes():

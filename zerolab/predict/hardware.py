@@ -1,11 +1,12 @@
-"""Hardware as data: devices and links, each figure with its source, and the one achievable factor.
+"""Hardware as data: devices and links, each figure with its source.
 
 A device's figures are its data sheet's peaks (dense, no structured sparsity); a link's bandwidth
-is per GPU and per direction. A prediction reaches `achievable` x each peak (FLOP/s, memory
-bandwidth, link bandwidth): one factor shared by every GPU kind, GPU_ACHIEVABLE, fitted once on
-one published run (docs/predict.md says which, and how far the other lands). The `cpu` entry is
-this machine's, measured by `python -m zerolab.predict calibrate` (zerolab.predict.calibrate),
-with its own figures per number of ranks sharing the host and none of the GPU factor.
+is per GPU and per direction. What a GPU's kernels reach of those peaks, by kind of kernel, is
+zerolab.predict.gpu's (matmuls by shape, attention, memory-bound ops). `achievable` is the share of
+its bandwidth a link reaches (every GPU's, GPU_ACHIEVABLE), and the share of every peak for a
+device without kernel rates (one made by hand). The `cpu` entry is this machine's, measured by
+`python -m zerolab.predict calibrate` (zerolab.predict.calibrate), with its own figures per number
+of ranks sharing the host.
 
 Latency per collective and per ring step are NCCL's tuning constants for its Simple protocol
 (NVIDIA/nccl src/graph/tuning.cc, baseLat and hwLat, as torch._inductor.comm_analysis ports them):
@@ -20,10 +21,10 @@ from dataclasses import dataclass, field
 
 from zerolab.errors import ConfigError
 
-# The fraction of every peak a step reaches: fitted by bisection on torchtitan's Llama 3 8B under FSDP
-# on 64 A100 80GB, 2,876 tokens/s per GPU (bench/predict_gpu.py; the fit's record is in
-# bench/RESULTS.md). The H100 run (torchtitan's Llama 3.1 8B on 8 H100) is not used to fit it: it is
-# the model's prediction (docs/predict.md).
+# The share of a link's bandwidth NCCL reaches, and of every peak for a GPU without kernel rates:
+# the one factor of the earlier model, fitted by bisection on torchtitan's Llama 3 8B on 64 A100
+# 80GB (bench/RESULTS.md, 2026-12-04). Communication is hidden behind compute in every published
+# run of bench/predict_gpu.py (its exposed share is under 2 % of the step), so they do not test it.
 GPU_ACHIEVABLE = 0.68
 
 

@@ -1,27 +1,31 @@
 """The time model: a recorded step priced on named hardware (a prediction, not a measurement).
 
-Each op costs its roofline, max(FLOPs / (achievable x peak FLOP/s of its dtype), bytes /
-(achievable x memory bandwidth)), plus the device's per-kernel overhead (calibrated on a CPU;
-none on a GPU, whose host runs ahead). Each collective costs its algorithm's time on the links of
-its group (zerolab.predict.topology). The timeline (zerolab.predict.timeline) overlaps them as the
-strategy scheduled them. Out come the four parts a profiled step reports, tokens/s per device,
-MFU (model FLOPs per token, zerolab.profile's convention, over the device's data-sheet peak), and
-the bytes and time of each collective kind on each link.
+On a GPU each op costs its roofline at the rates its kind of kernel reaches there (matmuls by
+shape, attention, memory-bound ops: zerolab.predict.gpu). On the CPU, and on a device without
+such rates, max(FLOPs / (achievable x peak FLOP/s of its dtype), bytes / (achievable x memory
+bandwidth)), plus the device's per-kernel overhead (calibrated on a CPU). Each collective costs
+its algorithm's time on the links of its group (zerolab.predict.topology). The timeline
+(zerolab.predict.timeline) overlaps them as the strategy scheduled them. Out come the four parts
+a profiled step reports, tokens/s per device, MFU (model FLOPs per token, zerolab.profile's
+convention, over the device's data-sheet peak), and the bytes and time of each collective kind
+on each link.
 """
 from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 
+from zerolab.predict.gpu import KERNELS, kernel_seconds
 from zerolab.predict.hardware import Device
 from zerolab.predict.record import Op, StepRecord
 from zerolab.predict.timeline import replay
 from zerolab.predict.topology import Network
 
-NOT_MODELLED = ("not modelled: the host's own time on a GPU (it is assumed to run ahead of the device), "
-                "on a GPU, compute slowed by communication running beside it, kernels fused or tuned differently "
-                "from what the dry run dispatched (CUDA's attention, dropout and layer norm on a GPU; the CPU's "
-                "other kernels), data loading")
+NOT_MODELLED = ("not modelled: the host's own time on a GPU (it is assumed to run ahead of the device; what the "
+                "launch gaps of small kernels cost is inside the fitted memory share), on a GPU, compute slowed by "
+                "communication running beside it, kernels fused or tuned differently from what the dry run "
+                "dispatched (CUDA's attention, dropout and layer norm on a GPU; the CPU's other kernels), a software "
+                "stack older or newer than the measurements behind the rates, data loading")
 
 
 @dataclass
@@ -44,6 +48,9 @@ class Prediction:
 
 
 def op_seconds(op: Op, dev: Device) -> float:
+    kinds = None if dev.host_sync else KERNELS.get(dev.name)
+    if kinds is not None:
+        return kernel_seconds(op, dev, kinds)
     a = dev.achievable
     compute = op.flops / (dev.kernel_flops.get(op.name) or dev.peak(op.dtype) * a) if op.flops else 0.0
     bandwidth = dev.kernel_bandwidth.get(op.name) or dev.memory_bandwidth * a
@@ -94,12 +101,15 @@ def _unpriced(record: StepRecord, dev: Device, step_s: float) -> list:
 
 def assumptions(dev: Device, topo: Network, dtype: str) -> list[str]:
     a = dev.achievable
+    kinds = None if dev.host_sync else KERNELS.get(dev.name)
+    rates = (f"kernels: {kinds.describe()}; links at x{a:g} of their bandwidth" if kinds else
+             f"achievable: x{a:g} of every peak" + (" (a GPU without kernel rates: docs/predict.md)"
+                                                     if not dev.host_sync else " (measured figures)"))
     out = [f"device: {dev.label}: {dev.peak(dtype) / 1e12:g} TFLOP/s {dtype} peak, "
            f"{dev.memory_bandwidth / 1e9:g} GB/s memory ({dev.source})",
-           f"achievable: x{a:g} of every peak" + (" (GPU factor, fitted on one published run: docs/predict.md)"
-                                                   if not dev.host_sync else " (measured figures)"),
-           "each op: max(FLOPs / FLOP/s, bytes / bandwidth)" + (f" + {dev.op_overhead_s * 1e6:.1f} us per kernel"
-                                                               if dev.op_overhead_s else "")
+           rates,
+           "each op: max(FLOPs / its kind's FLOP/s, bytes / bandwidth)"
+           + (f" + {dev.op_overhead_s * 1e6:.1f} us per kernel" if dev.op_overhead_s else "")
            + (f"; the fused AdamW kernel at {dev.kernel_bandwidth['_fused_adamw_'] / 1e9:.1f} GB/s (measured)"
               if "_fused_adamw_" in dev.kernel_bandwidth else ""),
            f"links: {topo.describe()}" + (f"; each collective + {dev.meeting_s * 1e3:.2f} ms for the ranks to meet "

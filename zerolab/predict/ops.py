@@ -139,6 +139,26 @@ def memory_bound(func) -> bool:
 
 
 
+_GEMMS = {"mm": (0, 1), "addmm": (1, 2), "bmm": (0, 1), "baddbmm": (1, 2), "_scaled_mm": (0, 1)}
+
+
+def gemm_dims(func, args) -> tuple:
+    """(batch, m, n, k) of a matmul-family op's product; (batch, heads, sequence, head dim) of an
+    attention kernel's query (its backward's output gradient: the same shape); else (). What a
+    GPU's rate by shape needs (zerolab.predict.gpu)."""
+    name = func._overloadpacket.__name__
+    if "attention" in name and args and isinstance(local(args[0]), torch.Tensor) and local(args[0]).dim() == 4:
+        return tuple(int(x) for x in local(args[0]).shape)
+    where = _GEMMS.get(name)
+    if where is None or len(args) <= where[1]:
+        return ()
+    a, b = local(args[where[0]]), local(args[where[1]])
+    if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)) or a.dim() < 2 or b.dim() < 2:
+        return ()
+    batch = a.shape[0] if a.dim() == 3 else 1
+    return int(batch), int(a.shape[-2]), int(b.shape[-1]), int(a.shape[-1])
+
+
 def cost(func, args, kwargs, out) -> tuple[float, int, int, bool, str]:
     """(FLOPs, bytes read + written, kernels, has a FLOP formula, compute dtype) of one op on its
     real arguments. Kernels: a foreach op over n tensors is n kernels on a CPU (its per-op overhead

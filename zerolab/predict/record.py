@@ -45,7 +45,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from zerolab.models import find_blocks
-from zerolab.predict.ops import cost, memory_bound, tensor_bytes
+from zerolab.predict.ops import cost, gemm_dims, memory_bound, tensor_bytes
 from zerolab.profile.commwatch import COLLECTIVES
 
 PHASES = ("forward", "backward", "optimizer", "other")
@@ -76,6 +76,7 @@ class Op:
     priced: bool  # has a FLOP formula, or is memory-bound by nature (zerolab.predict.ops)
     dtype: str  # the compute dtype of an op with FLOPs ("" for the rest)
     block: int  # the repeated block (zerolab.models.find_blocks) whose module issued it, -1 outside one
+    dims: tuple = ()  # a matmul's (batch, m, n, k) (ops.gemm_dims): a GPU's rate depends on its shape
 
 
 @dataclass(slots=True)
@@ -261,7 +262,7 @@ class Recorder:
             if not priced:
                 self.step.unpriced[name] += 1
             self.step.events.append(Op(name, self.phase, self._stream(), flops, moved, kernels, priced, dtype,
-                                        self.blocks[-1] if self.blocks else -1))
+                                        self.blocks[-1] if self.blocks else -1, gemm_dims(func, args)))
 
     def collective(self, kind: str, nbytes: int, ranks: tuple) -> int:
         rec = self.step
