@@ -70,7 +70,7 @@ def test_an_offload_that_cannot_run_is_refused_in_one_paragraph_naming_the_fix(o
 
 def test_the_ledger_moves_the_optimizers_side_to_the_host_and_keeps_the_sum():
     """Per mode, the bytes by place from the ledger (gpt_small, bf16, AdamW, 2 ranks): ZeRO-Offload's
-    split (Ren et al. 2021: 16-bit weights on the device, the fp32 master, state and gradient on
+    split (Ren et al., USENIX ATC 2021: 16-bit weights on the device, the fp32 master, state and gradient on
     the host) and ZeRO-Infinity's (nothing persistent left on the device)."""
     shape = shape_from_model_config(load_model_config("gpt_small"))
     by = {}

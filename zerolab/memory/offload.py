@@ -1,6 +1,6 @@
 """`python -m zerolab memory --offload`: the device and the host bytes of zerolab's ZeRO in every
-offload mode (strategy.offload_optimizer: ZeRO-Offload, Ren et al. 2021; strategy.offload_params:
-ZeRO-Infinity's parameter offload, Rajbhandari et al. 2021), beside DeepSpeed's own estimator.
+offload mode (strategy.offload_optimizer: ZeRO-Offload, Ren et al., USENIX ATC 2021; strategy.offload_params:
+ZeRO-Infinity's parameter offload, Rajbhandari et al., SC 2021), beside DeepSpeed's own estimator.
 
 DeepSpeed's figures are what `estimate_zero2_model_states_mem_needs_all_cold` and
 `estimate_zero3_model_states_mem_needs_all_cold` print (their helpers, which return the numbers:

@@ -161,8 +161,8 @@ def predict_zero3(p, shape, *, shards: int, per_node: int, precision: str, k: fl
     if par:
         p.add("transient", sum(largest[:MAX_LIVE_BUCKETS]) // N * c, "this rank's chunks copied from the host for "
               f"the all-gathers in flight (strategy.offload_params; at most {MAX_LIVE_BUCKETS})")
-        p.notes.append("strategy.offload_params=true (ZeRO-Infinity, Rajbhandari et al. 2021): the persistent chunks "
-                       "are on the host; each all-gather copies this rank's chunk to the device first")
+        p.notes.append("strategy.offload_params=true (ZeRO-Infinity, Rajbhandari et al., SC 2021): the persistent "
+                       "chunks are on the host; each all-gather copies this rank's chunk to the device first")
     if shape.buffer_bytes:
         p.add("buffers", shape.buffer_bytes, "model buffers")
     _zero3_notes(p, n, sizes, gb, c, precision, N, settings)
@@ -182,9 +182,9 @@ def _state_and_working_copies(p, shard: int, k: float, s: int, mode: Mode, place
               when="step", place=place)
 
 
-OFFLOAD_NOTE = ("strategy.offload_optimizer=true (ZeRO-Offload, Ren et al. 2021): the shard the optimizer updates, "
-                "its gradient and its state are on the host (pinned on CUDA), and the step runs there; a node's "
-                "ranks share its host memory")
+OFFLOAD_NOTE = ("strategy.offload_optimizer=true (ZeRO-Offload, Ren et al., USENIX ATC 2021): the shard the "
+                "optimizer updates, its gradient and its state are on the host (pinned on CUDA), and the step runs "
+                "there; a node's ranks share its host memory")
 
 
 def _offload_transients(p, chunk: int, in_flight: int, rb: int, rounded: int, c: int, s: int) -> None:
