@@ -2,7 +2,7 @@
 
 torchtitan (pytorch/torchtitan): FSDP2, bf16 parameters with fp32 gradient reduction (its
 defaults: `strategy=fsdp precision=bf16`), no torch.compile, no Float8.
-- docs/performance.md: Llama 3 8B (sequence 8192, local batch 1) and Llama 2 13B (sequence 4096,
+- torchtitan docs/performance.md: Llama 3 8B (sequence 8192, local batch 1) and Llama 2 13B (sequence 4096,
   local batch 2) on 64 A100 80GB. Its "selective layer" checkpointing recomputes every second
   block (`every_k`, k=2); "selective op" saves the outputs of its compute-heavy ops
   (`selective`); "no" is `none`.
