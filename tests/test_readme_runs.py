@@ -96,3 +96,60 @@ def test_the_running_lines_without_slurm_run_as_written(clone):
     for line in lines:
         run_as_written(line, clone)
     assert len(list((clone / "runs").rglob("summary.json"))) == 3  # three trainings, each finished
+
+
+# ---- the pages' lines that rehearse a job (dry-run; plan with --exact or --hardware) ----------------
+# Each is either one of README's lines (run above) or run by the test below; the fast test keeps
+# every such line in one of the two.
+REHEARSING = re.compile(r"^(?:\.venv/bin/)?python -m zerolab (dry-run .*|plan .*--(?:exact|hardware)\b.*)$")
+
+
+def pages_rehearsing_lines() -> list[tuple[str, int, str]]:
+    """(page, line number, the command after `python -m zerolab `) of each rehearsing line in docs/'s
+    code blocks (transcripts, `$ ...`, are tests/test_doc_figures.py's)."""
+    out = []
+    for page in sorted((ROOT / "docs").glob("*.md")):
+        text = page.read_text()
+        for m in re.finditer(r"^```[^\n]*\n(.*?)^```", text, re.S | re.M):
+            start = text.count("\n", 0, m.start()) + 2
+            for n, line in enumerate(m.group(1).replace("\\\n", " ").splitlines(), start):
+                found = REHEARSING.match(" ".join(line.split("  #")[0].split()))
+                if found:
+                    out.append((page.name, n, found.group(1)))
+    return out
+
+
+def readme_zerolab_commands() -> set[str]:
+    return {" ".join(line.split()).split("python -m zerolab ", 1)[1] for lines in readme_blocks().values()
+            for line in lines if "python -m zerolab " in line}
+
+
+# docs lines run by test_the_pages_own_rehearsing_lines_run_as_written, as (page, command prefix)
+PAGES_OWN = (("memory.md", "dry-run --world 8 --hardware h100 --gpus-per-node 8 model=hf model.config=llama3.1-8b"),)
+
+
+def test_every_rehearsing_line_of_the_pages_is_run():
+    """Fast tier: each is README's (run by test_will_it_fit_and_will_it_be_fast_run_as_written) or one
+    of PAGES_OWN (run below)."""
+    readme = readme_zerolab_commands()
+    lines = pages_rehearsing_lines()
+    assert len(lines) >= 3, lines
+    for page, n, command in lines:
+        assert command in readme or any(page == p and command.startswith(c) for p, c in PAGES_OWN), \
+            f"docs/{page}:{n}: {command} is neither README's nor in PAGES_OWN"
+
+
+@pytest.mark.slow
+def test_the_pages_own_rehearsing_lines_run_as_written(clone):
+    """docs/memory.md's selective-checkpointing dry run of torchtitan's Llama 3.1 8B on 8 H100s prints
+    the figures the page's table states beside it (model states and activations kept, GB)."""
+    own = [(page, command) for page, _, command in pages_rehearsing_lines()
+           if any(page == p and command.startswith(c) for p, c in PAGES_OWN)]
+    assert len(own) == len(PAGES_OWN), own
+    (page, command), = own
+    out = run_as_written(f".venv/bin/python -m zerolab {command}", clone)
+    table = (ROOT / "docs" / page).read_text().split(command, 1)[1]
+    states = re.search(r"^\| model states[^|]*\| ([\d.]+) \|", table, re.M).group(1)
+    kept = re.search(r"^\| activations kept[^|]*\| ([\d.]+) \|", table, re.M).group(1)
+    assert re.search(rf"^model states\s+{re.escape(states)} GB\s+{re.escape(states)} GB", out, re.M), out
+    assert re.search(rf"^activations\s+{re.escape(kept)} GB", out, re.M), out
