@@ -191,8 +191,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="bytes per parameter per rank of every master/state mode (a column each) beside the paper's, "
                         "for every strategy that holds its own master, at --world")
     p.add_argument("--offload", action="store_true",
-                   help="device and host bytes per rank (and host per node) of zero1/2/3 in every offload mode, "
-                        "beside DeepSpeed's estimator, at --world ranks on one node (docs/offload.md)")
+                   help="device and host bytes per rank (and host per node) of every offload mode, beside the "
+                        "reference implementation's own estimate, at --world ranks on one node (docs/offload.md)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.add_argument("--sweep-world", help="comma-separated world sizes, e.g. 1,2,4,8,16,64: one line per strategy")
     p.add_argument("--plot", help="with --sweep-world: also write this PNG (GB per rank against N)")

@@ -66,6 +66,7 @@ from zerolab.schema import ZeroSettings
 from zerolab.strategies.base import PRECISION_MODE_SETTINGS, ZEROLAB_STEP_SETTINGS, OptimizerFactory, Strategy, \
     Traits, precision_lossy, set_lr
 from zerolab.strategies.zero.checkpoint import ZeroPieces
+from zerolab.strategies.zero.estimate import deepspeed_estimate, offload_modes
 from zerolab.strategies.zero.layout import Bucket, check_node_settings, layout_for, shards_for
 from zerolab.strategies.zero.memory import predict_zero12
 from zerolab.strategies.zero.offload import Offload, check_offload
@@ -392,6 +393,16 @@ class ZeroBase(Offload, ZeroPieces, ShardGrads, Strategy):
                        precision=precision, k=k, bucket_mb=bucket_mb, reduce_dtype=reduce_dtype,
                        hsdp=settings.get("shard_within") == "node" and ranks_per_node < world, mode=mode,
                        offload=bool(settings.get("offload_optimizer")))
+
+    @classmethod
+    def offload_modes(cls) -> list[dict]:
+        """The strategy.* offload settings this stage runs, none first (python -m zerolab memory --offload)."""
+        return offload_modes(cls.shards_params)
+
+    @classmethod
+    def offload_reference(cls, shape, world: int, settings: dict):
+        """memory_reference's own estimate for these offload settings (estimate.py), or None."""
+        return deepspeed_estimate(shape, world, cls.traits.memory_reference[1], settings)
 
     @classmethod
     def lossy(cls, cfg: dict):
