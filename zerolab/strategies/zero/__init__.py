@@ -10,6 +10,9 @@ package. Read in this order:
                  its gradient shard
   checkpoint.py  the shard as name-keyed checkpoint pieces, and the full weights gathered
   quantized.py   ZeRO++'s quantized collectives (qwZ's int8 all-gather, qgZ's int4 all-to-all)
+  offload.py     ZeRO-Offload's optimizer offload and ZeRO-Infinity's parameter offload: the shard,
+                 its gradient and state (and zero3's weight chunks) on the host, the copies both ways
+  estimate.py    DeepSpeed's own estimator beside the ledger's offload rows (memory --offload)
   memory.py      the memory model: what each stage holds, predicted from the same packing
                  (zerolab/buckets.py); no runtime module imports it but predict_memory's two calls
 
