@@ -16,7 +16,7 @@ from zerolab.checkpoint.reshard import PieceReader
 from zerolab.memory.offload import format_offload, offload_rows
 from zerolab.rehearsal import rehearse
 from zerolab.trainer import Trainer
-from zerolab.accounting import Prediction, StorageCounter, device_part, host_per_node
+from zerolab.accounting import Prediction, StorageCounter, device_part, host_per_node, placed
 from zerolab.config import ConfigError, compose, validate
 from zerolab.memory import load_model_config, predict, shape_from_model_config
 
@@ -29,6 +29,9 @@ def test_a_counter_keeps_each_storage_once_and_says_its_place():
     assert (out["device"], out["host"], out["host/master"]) == (40, 48, 48)
     assert device_part(out)["master"] == 0 and device_part(out)["params"] == 40
     assert "host/params" not in out  # only the categories with host bytes get a host/ key
+    # a strategy that counts without places and declares them by category (Traits.placement)
+    assert placed({"params": 4, "master": 8}, {"master": 8}) == {"params": 4, "master": 8, "host": 8, "device": 4,
+                                                                 "host/master": 8}
 
 
 def test_a_prediction_splits_its_terms_by_place_and_sums_a_node():

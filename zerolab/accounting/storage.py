@@ -54,7 +54,7 @@ def placed(every: dict[str, int], host: dict[str, int]) -> dict[str, int]:
     run records as mem/<key>_bytes (device bytes of a category: its figure minus host/<category>)."""
     out = dict(every)
     out["host"] = sum(host.get(c, 0) for c in CATEGORIES)
-    out["device"] = out["total"] - out["host"]
+    out["device"] = out.get("total", sum(every.get(c, 0) for c in CATEGORIES)) - out["host"]
     out.update({f"host/{c}": host[c] for c in CATEGORIES if host.get(c)})
     return out
 

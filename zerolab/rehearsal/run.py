@@ -73,7 +73,9 @@ class Rehearsal:
 
     def to_dict(self) -> dict:
         out = {k: v for k, v in vars(self).items() if k not in ("record", "previous")}
-        return {**out, "not_counted": NOT_COUNTED}
+        # a node's ranks share its host memory (offload): this rank's host bytes times the ranks of a node
+        host = self.measured.get("mem/host_bytes", self.predicted.get("mem/host_bytes", 0))
+        return {**out, "host_per_node_bytes": host * self.ranks_per_node, "not_counted": NOT_COUNTED}
 
 
 def rehearsal_config(overrides: list[str], world: int):

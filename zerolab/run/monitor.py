@@ -53,9 +53,8 @@ class MemoryMonitor:
 
     def rank_figures(self, comm: dict) -> dict:
         """This rank's memory and communication figures, to be gathered on rank 0."""
-        held = self.strategy.memory()
-        if "host" not in held:  # a count without places: where its Traits.placement puts each category
-            where = self.strategy.traits.placement
+        held, where = self.strategy.memory(), self.strategy.traits.placement
+        if not held.get("host"):  # a count that did not say its places: where Traits.placement puts each category
             held = placed(held, {c: held.get(c, 0) for c in CATEGORIES if where.get(c) == "host"})
         # every category, its host part (mem/host/<category>_bytes) and the totals by place
         # (mem/device_bytes, mem/host_bytes: zerolab.accounting.placed)
