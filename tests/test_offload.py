@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from conftest import (ROOT, TORCHRUN, fixed_corpus, load_weights, read_metrics, rel_l2_diff, run_process,
-                      wandb_offline_runs)
+                      run_python, wandb_offline_runs)
 from zerolab.checkpoint.reshard import PieceReader
 from zerolab.memory.offload import format_offload, offload_rows
 from zerolab.rehearsal import rehearse
@@ -69,6 +69,15 @@ def test_an_offload_that_cannot_run_is_refused_in_one_paragraph_naming_the_fix(o
     message = str(err.value)
     assert "\n" not in message and fix in message, message
     assert "offload" in message
+
+
+@pytest.mark.slow
+def test_train_py_exits_2_on_a_refused_offload_and_writes_nothing(tmp_path):
+    proc = run_python("train.py", f"run.dir={tmp_path / 'run'}", "logging.wandb.mode=disabled", "strategy=zero2",
+                      "strategy.offload_params=true", check=False, env={"WORLD_SIZE": "1"})
+    assert proc.returncode == 2, proc.stderr
+    assert "strategy.offload_params=true with strategy=zero2" in proc.stderr + proc.stdout
+    assert not (tmp_path / "run").exists()
 
 
 def test_the_ledger_moves_the_optimizers_side_to_the_host_and_keeps_the_sum():
