@@ -18,7 +18,7 @@ from zerolab.rehearsal import rehearse
 from zerolab.trainer import Trainer
 from zerolab.accounting import Prediction, StorageCounter, device_part, host_per_node, placed
 from zerolab.config import ConfigError, compose, validate
-from zerolab.memory import load_model_config, predict, shape_from_model_config
+from zerolab.memory import cli_main, load_model_config, predict, shape_from_model_config
 
 
 def test_a_counter_keeps_each_storage_once_and_says_its_place():
@@ -95,6 +95,13 @@ def test_the_ledger_moves_the_optimizers_side_to_the_host_and_keeps_the_sum():
     assert by["z3p"].bytes("device")["model_states"] == 0
     assert by["z3p"].bytes("host")["total"] == by["z3"].bytes()["total"]
     assert any(t.place == "host" for t in by["z2o"].terms if t.category == "transient")
+
+
+def test_memory_shows_one_strategys_places_and_refuses_an_offload_it_does_not_run(capsys):
+    assert cli_main(["--params", "1e6", "--strategy", "zero3", "--offload-optimizer", "--offload-params"]) == 0
+    assert "by place (a node's ranks share its host memory): device 0 B, host 16.00 MB" in capsys.readouterr().out
+    assert cli_main(["--params", "1e6", "--strategy", "zero2", "--offload-params"]) == 2
+    assert "it runs: no offload, --offload-optimizer" in capsys.readouterr().err
 
 
 OFFLOAD_BOTH = {"offload_optimizer": True, "offload_params": True}

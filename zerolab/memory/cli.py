@@ -190,6 +190,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--modes", action="store_true",
                    help="bytes per parameter per rank of every master/state mode (a column each) beside the paper's, "
                         "for every strategy that holds its own master, at --world")
+    p.add_argument("--offload-optimizer", action="store_true",
+                   help="strategy.offload_optimizer=true: the master, optimizer state and gradient shard on the host")
+    p.add_argument("--offload-params", action="store_true",
+                   help="strategy.offload_params=true (with --offload-optimizer): the weight shards on the host too")
     p.add_argument("--offload", action="store_true",
                    help="device and host bytes per rank (and host per node) of every offload mode, beside the "
                         "reference implementation's own estimate, at --world ranks on one node (docs/offload.md)")
@@ -237,7 +241,7 @@ def _one(args, shape: ModelShape) -> tuple[Prediction, Prediction | None]:
         raise ValueError(f"--master/--optim-states/--grad-shard hold a bf16 run's master and state otherwise; "
                          f"give --precision bf16 (not {args.precision})")
     pred = predict(shape, args.strategy, args.world, args.precision, args.optim, stage=args.stage,
-                   bucket_mb=args.bucket_mb, rank=args.rank, mode=mode)
+                   bucket_mb=args.bucket_mb, rank=args.rank, mode=mode, settings=_offload_settings(args))
     reference = None
     if strategy_class(args.strategy).traits.memory_reference is not None:
         other, stage = strategy_class(args.strategy).traits.memory_reference
@@ -247,6 +251,16 @@ def _one(args, shape: ModelShape) -> tuple[Prediction, Prediction | None]:
         except NotPredicted:
             pass
     return pred, reference
+
+
+def _offload_settings(args) -> dict:
+    """--offload-optimizer / --offload-params as strategy.* settings, where the strategy runs them."""
+    settings = {k: True for k in ("offload_optimizer", "offload_params") if getattr(args, k)}
+    runs = getattr(strategy_class(args.strategy), "offload_modes", lambda: [{}])()
+    if settings not in runs:
+        raise ValueError(f"--strategy {args.strategy} does not offload as asked; it runs: "
+                         + ", ".join(" ".join(f"--{k.replace('_', '-')}" for k in m) or "no offload" for m in runs))
+    return settings
 
 
 def cli_main(argv: list[str]) -> int:

@@ -156,7 +156,7 @@ def predict_zero3(p, shape, *, shards: int, per_node: int, precision: str, k: fl
           "reduce-scatter outputs (one chunk per bucket) of the buckets in flight during backward")
     _quantized_transients(p, largest, N, per_node, settings)
     if opt:
-        _offload_transients(p, largest[0] // N, 1 + MAX_IN_FLIGHT, rb, 0 if par else shard, c, s)
+        _offload_transients(p, largest[0] // N, min(len(sizes), 1 + MAX_IN_FLIGHT), rb, 0 if par else shard, c, s)
         p.notes.append(OFFLOAD_NOTE)
     if par:
         p.add("transient", sum(largest[:MAX_LIVE_BUCKETS]) // N * c, "this rank's chunks copied from the host for "
