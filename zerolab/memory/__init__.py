@@ -1,4 +1,4 @@
-"""The memory ledger: bytes per rank by category, measured from the tensors that exist, and
+"""The memory ledger: bytes per rank by category and place (device or host), measured from the tensors that exist, and
 predicted from the model's shapes for any strategy, precision, optimizer and world size
 (`predict`, `python -m zerolab memory`). The trainer holds one against the other at the first
 optimizer step (`ledger_for_run`, `check_against`).
@@ -10,6 +10,7 @@ optimizer step (`ledger_for_run`, `check_against`).
                  predict_memory lives beside its code, in zerolab/strategies/)
   paper.py       the ZeRO paper's formula and figure beside each prediction
   cli.py         python -m zerolab memory: tables, JSON, sweeps over world sizes, plots
+  offload.py     python -m zerolab memory --offload: device and host bytes of every offload mode
   peak.py        the step's peak: model states + activations + transients, one composition
                  for the planner, the ledger and the trainer's measured accounting
   ledger.py      in every run: this run's prediction against what each rank measured
