@@ -95,3 +95,34 @@ def test_the_host_side_adds_the_exposed_copies_and_the_host_step():
     params = offload.price_offload(record, 0.04, dev, h, offload.Shard(10**9, 2, 2, params=True), 1)
     assert params.parts["params_up_exposed"] == pytest.approx(max(0.0, 4e9 / copy - 0.03))
     assert any("DGX H100" in a for a in one.assumptions) and any("PCIe 5.0" in a for a in one.assumptions)
+
+
+def test_hardware_ranks_offload_rows_with_the_rest_on_one_rehearsal_each(monkeypatch):
+    """plan --hardware: an offload row is priced on its job without offload (rehearsed once for
+    both), its host side added, and ranked with the rows that fit without offload by tokens/s.
+    The rehearsal and the GPU pricing are stand-ins here (they are tested with the time model)."""
+    import zerolab.rehearsal
+    from zerolab.plan import Planner, load_model_config, rank_by_speed
+    from zerolab.predict import cli as predict_cli
+    from zerolab.predict.model import Prediction
+
+    dev = DEVICES["a100"]
+    asked = []
+
+    def rehearse(overrides, world, **_):
+        asked.append([o for o in overrides if o.startswith("strategy")])
+        return zerolab.rehearsal.Rehearsal(world, 0, "zero2", "gpt_tiny", "bf16", record=_record(0.01, 0.02, 0.0, dev),
+                                           tokens_per_rank=2048)
+
+    monkeypatch.setattr(zerolab.rehearsal, "rehearse", rehearse)
+    monkeypatch.setattr(predict_cli, "priced", lambda r, topo: Prediction(
+        "a100", "", topo.world, "bf16", 0.04, {"comm_exposed": 0.0}, 2048 / 0.04, 0.5, 0.0, [], ["gpu"]))
+    planner = Planner(load_model_config("gpt_tiny"), 2, 64, host_mem=10**9, ranks_per_node=8)
+    fits = [f for f in planner.table(10**9) if f.label in ("zero2", "zero2+offload") and f.checkpointing == "none"]
+    topo = predict_cli.topology(predict_cli.arguments("a100"), 2)
+    speed = rank_by_speed(planner, ["model=gpt_tiny"], fits, topo, [1])
+    assert asked == [["strategy=zero2", "strategy.bucket_mb=25.0"]]  # one rehearsal, the job without offload
+    plain, off = speed["rows"]  # fastest first: the offload row pays its host side
+    assert (plain["strategy"], off["strategy"]) == ("zero2", "zero2+offload")
+    assert off["step_s"] > plain["step_s"] == 0.04 and off["host_bytes_per_node"] > 0
+    assert off["parts"]["host_step"] > 0 and any(a.startswith("host: NVIDIA DGX A100") for a in speed["assumptions"])
