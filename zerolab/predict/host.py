@@ -110,8 +110,10 @@ def split_label(label: str) -> tuple[str, dict]:
 
 
 def host_bytes(pred) -> int:
-    """One rank's host bytes (zerolab.memory's Prediction): its states there and its host staging."""
-    return pred.bytes("host")["total"] + pred.transient_bytes_at("host")
+    """One rank's host peak (zerolab.memory's Prediction): its states there and its host staging
+    at the larger of its two moments (backward's chunks in flight, or the step's copies)."""
+    staged = [t for t in pred.terms if t.category == "transient" and t.place == "host"]
+    return pred.bytes("host")["total"] + max(sum(t.bytes for t in staged if t.when == w) for w in ("backward", "step"))
 
 
 # ---- time --------------------------------------------------------------------------------------
