@@ -70,12 +70,15 @@ def table_row(heading: str, first_cell: str) -> list[str]:
 @pytest.mark.slow
 def test_will_it_fit_and_will_it_be_fast_run_as_written(clone):
     fit, fast = readme_blocks()["Will it fit?"], readme_blocks()["Will it be fast?"]
-    assert all("model.config=llama2-7b" in line for line in fit + fast)  # a shape every clone has
+    offload = [line for line in fit if "--host-mem" in line]
+    fit = [line for line in fit if line not in offload]
+    assert len(offload) == 1 and all("model.config=llama2-7b" in line for line in fit + fast)  # every clone has it
     outputs = [run_as_written(line, clone) for line in fit + fast]
+    one_gpu_offload_is_what_readme_says(run_as_written(offload[0], clone))
     # the dry run at 64 ranks says what README's table says at 64 GPUs (GB, as printed)
     row = table_row("Will it fit?", "64")
     states, peak = row[4], row[5].split()[0]
-    for out in (outputs[0], outputs[2]):
+    for out in (outputs[0], outputs[2]):  # (fit's dry run, fast's dry run)
         assert "6,738,415,616 parameters" in out  # Llama 2 7B, as its publisher counts it
         assert re.search(rf"^model states\s+{re.escape(states)} GB\s+{re.escape(states)} GB\s+\+0$", out, re.M), out
         assert re.search(rf"^peak\s+{re.escape(peak)} GB", out, re.M), out
@@ -86,6 +89,26 @@ def test_will_it_fit_and_will_it_be_fast_run_as_written(clone):
         rss, unit = re.search(r"this process's peak RSS ([\d.]+) (GB|MB)", out).groups()
         assert float(rss) * (1e9 if unit == "GB" else 1e6) < 2e9, out
     assert "tokens/s" in outputs[2] and "tokens/s" in outputs[3]  # the time model priced them
+
+
+def one_gpu_offload_is_what_readme_says(out: str) -> None:
+    """README's 13B on one 24 GB GPU: no row without offload fits; zero3+offload+p with checkpointed
+    blocks fits the micro-batch README states, with the host memory it states; DeepSpeed's and
+    FSDP2's parameter offload rows fit at the micro-batch and host bytes stated after them."""
+    readme = (ROOT / "README.md").read_text()
+    text = " ".join(readme.split("A 13B model on one 24 GB GPU", 1)[1].split("\n\n")[0].split())
+    mb, host = re.search(r"`zero3\+offload\+p` fits micro-batch (\d+) with checkpointed blocks and ([\d.]+) GB",
+                         text).groups()
+    theirs, ds_host, fsdp_host = re.search(r"offload: (\d+), (\d+) and (\d+) GB\)", text).groups()
+    row_start = re.compile(r"^\S+\s+(none|blocks|selective)\s+(none|\d+)\s")
+    rows = [line.split() for line in out.splitlines() if row_start.match(line)]
+    fits = {(r[0], r[1]): r for r in rows if r[2] != "none"}
+    assert rows and all("offload" in name for name, _ in fits), out  # without offload nothing fits
+    z3 = fits[("zero3+offload+p", "blocks")]
+    assert z3[2] == mb and round(float(z3[-3])) == round(float(host)) and z3[-2] == "GB", z3
+    for name, want in (("deepspeed-3+offload+p", ds_host), ("fsdp+offload+p", fsdp_host)):
+        row = fits[(name, "blocks")]
+        assert row[2] == theirs and round(float(row[-3])) == int(want), row
 
 
 @pytest.mark.slow
