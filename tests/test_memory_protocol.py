@@ -83,9 +83,15 @@ def test_deepspeeds_prediction_follows_the_overrides_it_models_and_names_the_res
     bucket = predict(shape, "deepspeed", 2, "fp32", stage=2, state_elements=2,
                      settings={"ds_config_overrides": {"zero_optimization": {"reduce_bucket_size": 1000}}})
     assert [t.bytes for t in bucket.terms if "reduce bucket" in t.what] == [4000]
+    # an offload set there is followed as strategy.offload_optimizer is: the optimizer's side on the host
+    moved = predict(shape, "deepspeed", 2, "fp32", stage=2, state_elements=2,
+                    settings={"ds_config_overrides": {"zero_optimization": {"offload_optimizer": {"device": "cpu"}}}})
+    stage2 = predict(shape, "deepspeed", 2, "fp32", stage=2, state_elements=2)
+    assert moved.by_place()["host"]["optim_state"] == stage2.by_place()["device"]["optim_state"] > 0
+    assert moved.by_place()["device"]["optim_state"] == 0
     odd = predict(shape, "deepspeed", 2, "fp32", stage=2, state_elements=2,
-                  settings={"ds_config_overrides": {"zero_optimization": {"offload_optimizer": {"device": "cpu"}},
+                  settings={"ds_config_overrides": {"zero_optimization": {"sub_group_size": 1000},
                                                     "steps_per_print": 10}})
     assert odd.notes[-1].startswith("not modelled: strategy.ds_config_overrides sets "
-                                    "zero_optimization.offload_optimizer")
+                                    "zero_optimization.sub_group_size")
     assert "steps_per_print" not in odd.notes[-1]  # changes no byte

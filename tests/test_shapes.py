@@ -62,20 +62,23 @@ def test_each_shape_names_its_source_beside_it():
 
 
 def test_the_shapes_agree_with_the_benchmarks_own_configs():
-    """bench/fit.py and bench/predict_gpu.py wrote their Llama shapes out by hand: the shipped files
-    say the same on every key of the shape they share (predict_gpu's is Llama 3 8B, whose
-    positions Llama 3.1 extended: 8192 -> 131072, the same weights' shapes)."""
+    """bench/fit.py wrote its Llama 2 7B shape out by hand: the shipped file says the same on every
+    key they share. The published runs' table (zerolab/predict/published.py) names shipped shapes
+    themselves, so there is nothing of theirs to disagree."""
+    from zerolab.models.sources import shipped_shapes
+    from zerolab.predict.published import RUNS
+
     sys.path.insert(0, str(ROOT / "bench"))
     try:
         from fit import LLAMA_7B
-        from predict_gpu import LLAMA3_8B
     finally:
         sys.path.remove(str(ROOT / "bench"))
-    for name, theirs in (("llama2-7b", LLAMA_7B), ("llama3.1-8b", LLAMA3_8B)):
-        ours = json.loads((SHAPES / f"{name}.json").read_text())
-        shared = set(ours) & set(theirs) - {"max_position_embeddings"}
-        assert {"hidden_size", "num_hidden_layers", "vocab_size"} <= shared
-        assert {k: ours[k] for k in shared} == {k: theirs[k] for k in shared}, name
+    ours = json.loads((SHAPES / "llama2-7b.json").read_text())
+    shared = set(ours) & set(LLAMA_7B) - {"max_position_embeddings"}
+    assert {"hidden_size", "num_hidden_layers", "vocab_size"} <= shared
+    assert {k: ours[k] for k in shared} == {k: LLAMA_7B[k] for k in shared}
+    named = {run.model for run in RUNS if not run.model.startswith("gpt2:")}
+    assert named and named <= set(shipped_shapes()), named
 
 
 def test_a_shipped_name_resolves_and_a_local_path_wins(tmp_path, monkeypatch):
