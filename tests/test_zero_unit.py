@@ -42,5 +42,5 @@ def test_frozen_parameters_stay_outside_the_buckets(ctx, tmp_path, strategy):
     ddp, _ = train_with_frozen(ctx, tmp_path, "ddp")
     for name, value in before.items():
         assert torch.equal(zero[name], value.float()), f"{strategy} changed frozen {name}"
-    assert rel_l2_diff(zero, ddp) < 1e-6
+    assert rel_l2_diff(zero, ddp) < 1e-6  # fp32 rounding of one flat shard vs per-tensor: test_zero.py argues 1e-6
     assert not torch.equal(zero["blocks.0.mlp.fc.weight"], ddp["blocks.0.mlp.fc.weight"] * 0)  # trained
