@@ -172,6 +172,24 @@ def test_report_is_one_paragraph_unless_debugging(capsys, monkeypatch):
 
 
 
+@pytest.mark.slow  # real processes (the fast tier starts none); a fraction of a second
+def test_lines_said_by_ranks_at_once_stay_whole():
+    """Ranks under one launcher share its stderr pipe; four real processes each say 300 lines of 900
+    bytes at once through zerolab.errors.say. Every line arrives whole: a verdict that starts in
+    the middle of another rank's line is missed by whoever reads the job's output (print() with
+    file=sys.stderr writes the newline apart and cut lines here)."""
+    read_end, write_end = os.pipe()
+    code = "import sys\nfrom zerolab.errors import say\nfor _ in range(300): say(sys.argv[1] * 900)\n"
+    procs = [subprocess.Popen([sys.executable, "-c", code, letter], stderr=write_end, env=base_env(), cwd=ROOT)
+             for letter in "abcd"]
+    os.close(write_end)
+    with os.fdopen(read_end, "rb") as pipe:
+        lines = pipe.read().decode().splitlines()
+    assert [p.wait() for p in procs] == [0] * 4
+    cut = [line[:40] for line in lines if len(line) != 900 or len(set(line)) != 1]
+    assert len(lines) == 1200 and not cut, (len(lines), cut[:5])
+
+
 def test_agree_raises_the_same_explained_error_everywhere(one_rank):
     from zerolab.dist import agree
 

@@ -34,6 +34,17 @@ class CheckpointError(ZerolabError):
     """A checkpoint that cannot be used; the message names the file and the mismatch."""
 
 
+def say(line: str) -> None:
+    """`line` and its newline on stderr in one write. Every rank under torchrun or srun shares the
+    launcher's pipe, and print() on Python's unbuffered stderr writes the text and the newline as
+    two writes, so two ranks speaking at once cut into each other's lines (one rank's verdict then
+    starts in the middle of another's line). One write call of the whole line leaves the stream as
+    one write of the pipe, which POSIX keeps whole up to PIPE_BUF (4096 bytes on Linux)."""
+    sys.stdout.flush()
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
+
+
 def debug_enabled() -> bool:
     """ZEROLAB_DEBUG=1: show tracebacks for failures zerolab otherwise explains in one paragraph."""
     return os.environ.get("ZEROLAB_DEBUG", "") not in ("", "0")
@@ -49,7 +60,7 @@ def report(err: BaseException, quiet: bool = False) -> int:
             traceback.print_exception(err)
         text = str(err)  # a message that already speaks as zerolab (a preemption) is not an "error"
         prefix = "" if text.startswith("zerolab:") else f"zerolab: {'configuration error' if config else 'error'}: "
-        print(prefix + text, file=sys.stderr, flush=True)
+        say(prefix + text)
     err.reported = True
     return 2 if config else getattr(err, "exit_code", 1)
 

@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 
 from zerolab.schema import RECORD_CUT, FaultConfig
-from zerolab.errors import ZerolabError, debug_enabled
+from zerolab.errors import ZerolabError, debug_enabled, say
 from zerolab.run.preempt import StopRequest
 
 log = logging.getLogger("zerolab")
@@ -87,8 +87,7 @@ class FaultInjector:
         self.slowed = -1  # the step a slow rank was last slowed in (fault.slow_rank: once per step)
 
     def _stop_now(self, step: int, phase: str) -> None:
-        print(f"zerolab fault injection: rank {self.rank} stops itself (SIGSTOP) in step {step} ({phase})",
-              file=sys.stderr, flush=True)
+        say(f"zerolab fault injection: rank {self.rank} stops itself (SIGSTOP) in step {step} ({phase})")
         os.kill(os.getpid(), signal.SIGSTOP)
 
     def in_phase(self, step: int, phase: str, loss: "torch.Tensor | None" = None) -> None:
@@ -119,8 +118,7 @@ class FaultInjector:
         """fault.phase=record_cut: exit while the resume's cut of the record is half done (its
         temporary file written, not yet renamed over metrics.jsonl)."""
         if self.armed and self.cfg.phase == RECORD_CUT:
-            print(f"zerolab fault injection: rank {self.rank} exits while cutting the record back", file=sys.stderr,
-                  flush=True)
+            say(f"zerolab fault injection: rank {self.rank} exits while cutting the record back")
             os._exit(1)
 
     def before_step(self, step: int) -> None:
@@ -130,7 +128,7 @@ class FaultInjector:
         if not self.armed or n != self.cfg.at_step or self.cfg.mode == "stop" or self.cfg.phase == RECORD_CUT:
             return
         msg = f"zerolab fault injection: rank {self.rank} fails before step {n} (fault.mode={self.cfg.mode})"
-        print(msg, file=sys.stderr, flush=True)
+        say(msg)
         if self.cfg.mode == "exit":
             os._exit(1)  # no cleanup, no exception: as abrupt as a killed process
         if self.cfg.mode == "raise":
@@ -146,10 +144,9 @@ def stop_now(err: BaseException) -> None:
         traceback.print_exception(err)
     said_by = getattr(err, "said_by", None)
     if said_by is not None:  # another rank said the verdict: one line here, not the paragraph again
-        print(f"zerolab: rank {err.rank} stops too (rank {said_by} named the rank that stopped)",
-              file=sys.stderr, flush=True)
+        say(f"zerolab: rank {err.rank} stops too (rank {said_by} named the rank that stopped)")
     else:
-        print(f"{type(err).__name__}: {err}", file=sys.stderr, flush=True)
+        say(f"{type(err).__name__}: {err}")
     sys.stdout.flush()
     os._exit(1)
 
@@ -249,9 +246,8 @@ class ProgressBoard:
                 # rank's main thread has not moved for longer than any peer waits for it: it is
                 # hung, and the stop it was asked for will never come. End it now rather than after
                 # the launcher's grace period.
-                print(f"zerolab: rank {self.rank} got {StopRequest.signal_name} but has been stuck {self._where()} "
-                      f"for {stuck:.0f} s (> dist.timeout_s); exiting",
-                      file=sys.stderr, flush=True)
+                say(f"zerolab: rank {self.rank} got {StopRequest.signal_name} but has been stuck {self._where()} "
+                    f"for {stuck:.0f} s (> dist.timeout_s); exiting")
                 os._exit(1)
             try:
                 store.add(f"hb/{self.rank}", 1)
