@@ -119,3 +119,33 @@ def test_the_published_table_is_what_the_records_price():
     predicted = {r.name: ratios[r.name] * r.published for r in RUNS}
     orders = {kind: agrees for kind, agrees, _, _ in order_agrees(predicted)}
     assert orders == {"a100": False, "h100-hbm2e": False, "h100": True}  # docs/predict.md says which and why
+
+
+@pytest.mark.slow  # one rehearsal on CUDA's kernels, about 20 s here
+def test_a_stored_record_is_what_a_rehearsal_records_now(tmp_path):
+    """The stored records are priced above without rehearsing; they hold only while a rehearsal
+    records the same step. MPT-1B's (the quickest row to rehearse) is made again and must equal
+    the stored one event for event; where the recorder changed, the table above prices old steps."""
+    import gzip
+    import json
+    import sys
+
+    from conftest import ROOT
+    from zerolab.predict.published import save
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        from predict_gpu import records_dir, rehearse_row
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+
+    def read(path):
+        with gzip.open(path, "rt") as f:
+            return json.load(f)
+
+    run = {r.name: r for r in RUNS}["mpt-1b-h100x8"]
+    save(rehearse_row(run), tmp_path / "now.json.gz")
+    stored = read(records_dir("") / f"{run.name}.json.gz")
+    assert read(tmp_path / "now.json.gz") == stored, (
+        "tests/data/published-records are stale: rehearse them again with "
+        "`.venv/bin/python bench/predict_gpu.py --fresh`")
