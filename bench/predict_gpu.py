@@ -9,8 +9,9 @@ fake tensors), its step recorded, and the record priced by zerolab.predict.model
 tests/data/published-records, which tests/test_predict_gpu.py prices), so pricing again after a
 change to the time model takes seconds; `--fresh` rehearses again (needed after a change to what
 a rehearsal records: tests/test_predict_gpu.py rehearses one row and fails when its record differs
-from the stored one). The rehearsals of all ten rows take about 15 minutes on this 2-core machine; the memory row (82.4 GiB)
-needs the full rehearsal of its run (until the peak repeats), the others a quick one.
+from the stored one). The rehearsals of all ten rows take about 15 minutes on this 2-core
+machine; the memory row (82.4 GiB) needs the full rehearsal of its run (until the peak repeats),
+the others a quick one.
 
 Prints, per row: the mapping, published, predicted, the ratio, the predicted MFU, whether it was
 fitted (zerolab.predict.gpu.FITTED_ON names the one row the memory-bound kernels' share of the
