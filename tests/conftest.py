@@ -179,6 +179,16 @@ def assert_stopped_in_time(text: str, *, stops: int = 1) -> None:
     assert len(said) == stops, text[-6000:]
 
 
+def bench_module(name: str):
+    """A script of bench/ imported as a module (bench/ is not a package; its scripts import
+    zerolab themselves), without leaving bench/ on the path."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        return __import__(name)
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+
+
 def base_env(**extra) -> dict:
     env = dict(os.environ)
     fixed_corpus()

@@ -128,24 +128,19 @@ def test_a_stored_record_is_what_a_rehearsal_records_now(tmp_path):
     the stored one event for event; where the recorder changed, the table above prices old steps."""
     import gzip
     import json
-    import sys
 
-    from conftest import ROOT
+    from conftest import bench_module
     from zerolab.predict.published import save
 
-    sys.path.insert(0, str(ROOT / "bench"))
-    try:
-        from predict_gpu import records_dir, rehearse_row
-    finally:
-        sys.path.remove(str(ROOT / "bench"))
+    recorder = bench_module("predict_gpu")
 
     def read(path):
         with gzip.open(path, "rt") as f:
             return json.load(f)
 
     run = {r.name: r for r in RUNS}["mpt-1b-h100x8"]
-    save(rehearse_row(run), tmp_path / "now.json.gz")
-    stored = read(records_dir("") / f"{run.name}.json.gz")
+    save(recorder.rehearse_row(run), tmp_path / "now.json.gz")
+    stored = read(recorder.records_dir("") / f"{run.name}.json.gz")
     assert read(tmp_path / "now.json.gz") == stored, (
         "tests/data/published-records are stale: rehearse them again with "
         "`.venv/bin/python bench/predict_gpu.py --fresh`")

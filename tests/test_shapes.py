@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import json
 import re
-import sys
 
 import pytest
 
-from conftest import ROOT
+from conftest import ROOT, bench_module
 
 SHAPES = ROOT / "zerolab" / "models" / "shapes"
 
@@ -68,11 +67,7 @@ def test_the_shapes_agree_with_the_benchmarks_own_configs():
     from zerolab.models.sources import shipped_shapes
     from zerolab.predict.published import RUNS
 
-    sys.path.insert(0, str(ROOT / "bench"))
-    try:
-        from fit import LLAMA_7B
-    finally:
-        sys.path.remove(str(ROOT / "bench"))
+    LLAMA_7B = bench_module("fit").LLAMA_7B
     ours = json.loads((SHAPES / "llama2-7b.json").read_text())
     shared = set(ours) & set(LLAMA_7B) - {"max_position_embeddings"}
     assert {"hidden_size", "num_hidden_layers", "vocab_size"} <= shared
