@@ -12,6 +12,12 @@ such a comparison):
 Each run is a real torchrun job of train.py (gpt_tiny, 8 steps, the embedded corpus, fixed seed);
 a configuration the machine cannot run (DeepSpeed's fp16 without AVX512-FP16) prints its refusal
 instead of a digest, the same on both commits.
+
+--variants adds the settings of zerolab's ZeRO beyond the plain matrix (VARIANTS: offload, HSDP,
+the stored masters, ZeRO++, LAMB's flat path), each on the strategies and precisions it applies to
+(intersected with --strategies and --precisions); a variant's lines name it after the strategy:
+
+    python bench/same_weights.py --strategies zero1,zero2,zero3 --variants plain,offload,hsdp,remainder
 """
 from __future__ import annotations
 
@@ -22,23 +28,49 @@ import os
 import subprocess
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parents[1]
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "deepspeed", "fsdp", "torch_zero")
 PRECISIONS = ("fp32", "bf16", "fp16")
+ZERO = ("zero1", "zero2", "zero3")
+
+
+@dataclass(frozen=True)
+class Variant:
+    overrides: tuple = ()  # Hydra overrides beside the plain run's
+    strategies: tuple = STRATEGIES  # where the settings apply
+    precisions: tuple = PRECISIONS
+    ranks: int = 2  # torchrun's processes (HSDP and ZeRO++ lay out 2 nodes x 2 ranks)
+
+
+NODES = ("dist.ranks_per_node=2",)
+VARIANTS = {
+    "plain": Variant(),
+    "offload": Variant(("strategy.offload_optimizer=true",), ZERO),
+    "offload_params": Variant(("strategy.offload_optimizer=true", "strategy.offload_params=true"), ("zero3",)),
+    "hsdp": Variant(("strategy.shard_within=node", *NODES), ZERO, ranks=4),
+    "remainder": Variant(("precision.master=remainder",), ("ddp", *ZERO), ("bf16",)),
+    "master_bf16": Variant(("precision.master=bf16",), ("ddp", *ZERO), ("bf16",)),
+    "grad_shard_bf16": Variant(("precision.grad_shard=bf16",), ("zero1", "zero2"), ("bf16",)),
+    "hpz": Variant(("strategy.hpz=true", *NODES), ("zero3",), ranks=4),
+    "quantized": Variant(("strategy.quantize_weights=true", "strategy.quantize_grads=true", *NODES), ("zero3",),
+                         ranks=4),
+    "lamb": Variant(("optim=lamb",), ("ddp", *ZERO), ("fp32", "bf16")),
+}
 
 
 def digest(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
 
 
-def run(root: Path, strategy: str, precision: str, accum: int, out: Path) -> str:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+def run(root: Path, strategy: str, precision: str, accum: int, out: Path, variant: Variant = VARIANTS["plain"]) -> str:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={variant.ranks}",
            str(root / "train.py"), f"strategy={strategy}", f"precision={precision}", "model=gpt_tiny",
            "trainer.max_steps=8", "trainer.eval_every=0", "trainer.eval_batches=1", "data.micro_batch=4",
            f"trainer.grad_accum_steps={accum}", "logging.wandb.mode=disabled", "logging.progress=false",
-           f"run.dir={out}"]
+           f"run.dir={out}", *variant.overrides]
     env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
     done = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=600)
     weights = out / "model.safetensors"
@@ -53,13 +85,21 @@ def main() -> int:
     parser.add_argument("--root", type=Path, default=HERE, help="the zerolab tree to run (default: this one)")
     parser.add_argument("--strategies", default=",".join(STRATEGIES))
     parser.add_argument("--precisions", default=",".join(PRECISIONS))
+    parser.add_argument("--variants", default="plain", help=f"comma-separated, of: {', '.join(VARIANTS)}")
     args = parser.parse_args()
+    unknown = [v for v in args.variants.split(",") if v not in VARIANTS]
+    if unknown:
+        parser.error(f"unknown variant(s) {', '.join(unknown)}; known: {', '.join(VARIANTS)}")
     with tempfile.TemporaryDirectory(prefix="zerolab-same-weights-") as tmp:
-        for strategy, precision, accum in itertools.product(args.strategies.split(","), args.precisions.split(","),
-                                                            (1, 2)):
-            out = Path(tmp) / f"{strategy}-{precision}-{accum}"
-            result = run(args.root.resolve(), strategy, precision, accum, out)
-            print(f"{strategy:<11} {precision:<5} accum {accum}  {result}", flush=True)
+        for name in args.variants.split(","):
+            v = VARIANTS[name]
+            strategies = [s for s in args.strategies.split(",") if s in v.strategies]
+            precisions = [p for p in args.precisions.split(",") if p in v.precisions]
+            for strategy, precision, accum in itertools.product(strategies, precisions, (1, 2)):
+                out = Path(tmp) / f"{name}-{strategy}-{precision}-{accum}"
+                result = run(args.root.resolve(), strategy, precision, accum, out, v)
+                label = strategy if name == "plain" else f"{strategy}+{name}"
+                print(f"{label:<11} {precision:<5} accum {accum}  {result}", flush=True)
     return 0
 
 
