@@ -33,7 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from zerolab.config import OptimConfig, compose  # noqa: E402
 from zerolab.models import build_model  # noqa: E402
 from zerolab.optim import build_optimizer  # noqa: E402
-from zerolab.optim.segments import FlatShard, Segment  # noqa: E402
+from zerolab.optim.segments import ShardMap, Segment  # noqa: E402
 from zerolab.stats import percentile  # noqa: E402
 
 HP = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
@@ -65,7 +65,7 @@ def variants(optim: str) -> dict:
                 segs.append(Segment(tensor=i, start=off, end=off + t.numel(), offset=0))
                 off += t.numel()
             group = {"params": [p], "names": [str(i) for i in range(len(init))],
-                     "shard": FlatShard(segs, len(init), lambda t: None)}
+                     "shard": ShardMap(segs, len(init), lambda t: None)}
             return [p], build_optimizer(cfg(impl), [group])
         return make
 

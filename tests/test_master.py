@@ -10,7 +10,7 @@ import torch
 from zerolab.errors import ConfigError
 from zerolab.master import MasterStorage, rebuild, round_to_bf16_, split_, stand_in
 from zerolab.optim import build_optimizer
-from zerolab.optim.segments import FlatShard, Segment
+from zerolab.optim.segments import ShardMap, Segment
 from zerolab.precision import MasterCopy, Precision
 from zerolab.memory import predict, shape_from_params
 from zerolab.memory.cli import format_modes, mode_rows
@@ -114,10 +114,10 @@ def _groups(params, flat: bool, extra: dict | None = None) -> list[dict]:
     extra = extra or {}
     if not flat:
         return [{"params": params, "names": ["a", "b", "c"], "weight_decay": 0.1, **extra}]
-    segs = [Segment(0, 0, 37, 0, piece=0), Segment(1, 37, 167, 0, piece=0), Segment(1, 0, 34, 130, piece=1),
-            Segment(2, 34, 234, 0, piece=1)]
-    return [{"params": params, "shard": FlatShard(segs, 3, lambda t: None), "names": ["a", "b", "c"],
-             "weight_decay": 0.1, "stored_chunk": 64, **extra}]
+    segs = [Segment(0, 0, 37, 0, slab=0), Segment(1, 37, 167, 0, slab=0), Segment(1, 0, 34, 130, slab=1),
+            Segment(2, 34, 234, 0, slab=1)]
+    return [{"params": params, "shard": ShardMap(segs, 3, lambda t: None), "names": ["a", "b", "c"],
+             "weight_decay": 0.1, "stored_slice": 64, **extra}]
 
 
 def _start(flat: bool, seed: int = 0):

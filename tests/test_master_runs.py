@@ -1,4 +1,4 @@
-"""Below the paper's floor on real ranks (zerolab/precision_modes.py, zerolab/strategies/zero/shard.py):
+"""Below the paper's floor on real ranks (zerolab/precision_modes.py, zerolab/strategies/zero/storage.py):
 the remainder master trains exactly as the fp32 master does, every mode holds the bytes the ledger
 predicts, and checkpoints carry the exact fp32 master from any mode into any other.
 

@@ -29,7 +29,7 @@ def test_a_counter_keeps_each_storage_once_and_says_its_place():
     assert (out["device"], out["host"], out["host/master"]) == (40, 48, 48)
     assert device_part(out)["master"] == 0 and device_part(out)["params"] == 40
     assert "host/params" not in out  # only the categories with host bytes get a host/ key
-    # a strategy that counts without places and declares them by category (Traits.placement)
+    # the places added to bytes by category (what StorageCounter.result gives)
     assert placed({"params": 4, "master": 8}, {"master": 8}) == {"params": 4, "master": 8, "host": 8, "device": 4,
                                                                  "host/master": 8}
 

@@ -66,14 +66,14 @@ def test_adam_auto_is_torchs_fused_kernel(cls, torch_cls):
 
 def _flat_group(tensors, names):
     """One contiguous tensor holding `tensors`, as zerolab's ZeRO sharder hands it at world size 1."""
-    from zerolab.optim.segments import FlatShard, Segment
+    from zerolab.optim.segments import ShardMap, Segment
 
     segs, off = [], 0
     for i, t in enumerate(tensors):
         segs.append(Segment(tensor=i, start=off, end=off + t.numel(), offset=0))
         off += t.numel()
     flat = torch.nn.Parameter(torch.cat([t.flatten() for t in tensors]))
-    return flat, {"params": [flat], "names": names, "shard": FlatShard(segs, len(tensors), lambda t: None)}
+    return flat, {"params": [flat], "names": names, "shard": ShardMap(segs, len(tensors), lambda t: None)}
 
 
 @pytest.mark.parametrize("impl", ["auto", "foreach"])

@@ -1,7 +1,7 @@
 """The flat-shard path (what zerolab's ZeRO sharder hands the optimizer) equals the optimizer on
 whole tensors: flat groups are built here by hand from a few tensors (concatenated, padded, split
 into one slice per rank, tensors straddling slice boundaries) and stepped in real gloo
-processes with dist.all_reduce as the group's FlatShard.allreduce."""
+processes with dist.all_reduce as the group's ShardMap.allreduce."""
 import os
 
 import pytest
@@ -11,7 +11,7 @@ import torch.multiprocessing as mp
 
 from zerolab.config import OptimConfig
 from zerolab.optim import build_optimizer
-from zerolab.optim.segments import FlatShard, Segment
+from zerolab.optim.segments import ShardMap, Segment
 
 
 # mp.spawn starts processes (multiprocessing, which conftest's Popen guard does not see): slow tier.
@@ -72,7 +72,7 @@ def _run_flat(rank, world, name, out_dir):
         shard = torch.nn.Parameter(_flatten(tensors, chunk, world)[lo:hi].clone())
         shards.append((shard, lo, hi, chunk))
         groups.append({"params": [shard], "names": NAMES[gi], "weight_decay": 0.01 if gi == 0 else 0.0,
-                       "shard": FlatShard(segs, len(shapes), dist.all_reduce)})
+                       "shard": ShardMap(segs, len(shapes), dist.all_reduce)})
     opt = build_optimizer(_cfg(name), groups)
     for step in range(STEPS):
         for (shard, lo, hi, chunk), grads in zip(shards, _grads(step)):

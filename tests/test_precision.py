@@ -8,7 +8,7 @@ import torch
 from conftest import TORCHRUN, load_weights, read_metrics, run_process, run_train
 from zerolab.config import PrecisionConfig
 from zerolab.optim import SGD, AdamW
-from zerolab.optim.segments import FlatShard, Segment
+from zerolab.optim.segments import ShardMap, Segment
 from zerolab.precision import LossScaler, LossScaleUnderflow, MasterCopy, grad_norm_sq
 
 
@@ -40,7 +40,7 @@ def test_update_ratio_reports_what_bf16_actually_applied(flat):
     w = torch.nn.Parameter(torch.ones(16, dtype=torch.bfloat16))
     group = {"params": [w], "weight_decay": 0.0}
     if flat:  # the group the sharder builds: one shard, two tensors of 8 elements in it
-        group.update(shard=FlatShard([Segment(0, 0, 8, 0), Segment(1, 8, 16, 0)], 2, lambda t: None),
+        group.update(shard=ShardMap([Segment(0, 0, 8, 0), Segment(1, 8, 16, 0)], 2, lambda t: None),
                      names=["a", "b"])
     opt = AdamW([group], lr=1e-4, weight_decay=0.0)
     w.grad = torch.randn(16).to(torch.bfloat16)

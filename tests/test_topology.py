@@ -2,7 +2,6 @@
 on, and the comm counter's split of them (zerolab/comm.py)."""
 import pytest
 
-from zerolab.accounting import on_host
 from zerolab.comm import CommCounter
 from zerolab.config import compose
 from zerolab.errors import ConfigError
@@ -45,12 +44,6 @@ def test_the_counter_splits_bytes_by_link():
     one_node = CommCounter(Topology(world=4, per_node=4))
     one_node.record("all_reduce", 10, 4)
     assert "link/across" not in one_node.pop_step()  # a one-node job has one kind of link
-
-
-def test_host_placed_categories_are_counted_apart():
-    held = {"params": 10, "grads": 10, "master": 40, "optim_state": 80, "buffers": 1}
-    assert on_host(held, {"params": "device", "master": "host", "optim_state": "host"}) == 120
-    assert on_host(held, {}) == 0
 
 
 @pytest.mark.parametrize("kind", ["all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast", "reduce"])

@@ -64,10 +64,12 @@ def test_units_tied_head_and_frozen_parameters(ctx, tmp_path):
     assert root == {id(model.wte.weight), id(model.wpe.weight), id(model.ln_f.weight)}
     for i, unit in enumerate(s.units[1:]):
         assert {id(p) for p in unit.params} == {id(p) for p in model.blocks[i].parameters() if p.requires_grad}
-        assert all(s.buckets[b].unit == i + 1 for b in unit.buckets)  # no bucket spans two units
+        own = {id(p) for p in unit.params}  # no bucket spans two units
+        assert all(id(p) in own for b in unit.buckets for p, _, _ in s.buckets[b].params)
     frozen = model.blocks[0].ln_1.weight
-    assert id(frozen) not in s.unit_of and frozen.untyped_storage().nbytes() == frozen.numel() * frozen.element_size()
-    assert gathered(s) == 0 and s.live == set()
+    assert id(frozen) not in s.weights.unit_of
+    assert frozen.untyped_storage().nbytes() == frozen.numel() * frozen.element_size()
+    assert gathered(s) == 0 and s.weights.live == set()
     assert model.blocks[1].mlp.fc.weight.shape == (256, 64)  # shapes survive the freeing
     close(trainer)
 
@@ -108,11 +110,11 @@ def test_units_are_gathered_only_while_needed(ctx, tmp_path, reshard):
     full = sum(b.size * b.flat_params.element_size() for b in s.buckets)
     assert gathered(s) == (0 if reshard else full)
     s.backward(loss)
-    assert gathered(s) == 0 and s.live == set()
+    assert gathered(s) == 0 and s.weights.live == set()
     s.step(1e-3)
     with torch.no_grad():
         model(batch.x)
-    assert gathered(s) == 0 and s.live == set()
+    assert gathered(s) == 0 and s.weights.live == set()
     close(trainer)
 
 
@@ -157,7 +159,7 @@ def test_16bit_gradient_shard_loses_nothing_without_accumulation(ctx, tmp_path):
             for step in range(3):
                 trainer.train_step(step)
             final[accum, reduce_dtype] = trainer.strategy.consolidated_state_dict()
-            grad_dtype[reduce_dtype] = trainer.strategy.grad_shards[0][0].dtype
+            grad_dtype[reduce_dtype] = trainer.strategy.shard.grads[0].dtype
             close(trainer)
     assert grad_dtype == {"auto": torch.bfloat16, "fp32": torch.float32}
     a, b = final[1, "auto"], final[1, "fp32"]

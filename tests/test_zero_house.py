@@ -64,7 +64,7 @@ def test_no_runtime_module_reads_the_memory_model():
              if p != STRATEGIES / "zero" / "memory.py"}
     assert {k: v for k, v in found.items() if v} == {}
     # the scan sees the allowed use: the stage classes' predict_memory
-    assert "predict_zero12" in (STRATEGIES / "zero" / "base.py").read_text()
+    assert "predict_zero12" in (STRATEGIES / "zero" / "declared.py").read_text()
 
 
 def test_the_memory_scan_finds_a_constant_and_a_call_outside_predict_memory():
@@ -113,3 +113,47 @@ def test_one_precision_to_dtype_map():
                     any(isinstance(k, ast.Attribute) and k.attr in ("bfloat16", "float16") for k in keys):
                 own.append(f"{path.relative_to(ROOT)}:{node.lineno}")
     assert own == [], own
+
+
+# ---- the package's shape (issue 53): parts with narrow interfaces, where a tensor lives decided once ----
+ZERO = STRATEGIES / "zero"
+STAGE_MODULES = ("base.py", "stages.py", "stage3.py")
+MAX_CLASS_LINES = 250  # a class a reader holds in their head (nanotron's ZeRO-1 optimizer is one)
+# how the shard is stored and where: storage.py decides, host.py is the host's place
+PLACE_OR_MODE = re.compile(r"offload|precision\.(master|grad_shard)|master_weights|master_mode", re.IGNORECASE)
+
+
+def test_no_stage_module_names_offload_or_the_master_mode():
+    """The stage modules ask the shard's storage (storage.py) for what they need; which kind of
+    storage it is and where it lives (offload: host.py) is decided there, never tested here."""
+    found = {m: [n for n, line in enumerate((ZERO / m).read_text().splitlines(), 1) if PLACE_OR_MODE.search(line)]
+             for m in STAGE_MODULES}
+    assert {m: lines for m, lines in found.items() if lines} == {}
+    assert PLACE_OR_MODE.search("self.settings.offload_optimizer") and PLACE_OR_MODE.search("precision.master")
+
+
+def classes(path):
+    return [node for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.ClassDef)]
+
+
+def test_every_class_has_one_base_at_most_and_fits_in_250_lines():
+    """Parts composed by the strategy, not mixins: each class derives from one class at most."""
+    shape = {f"{p.name}:{c.name}": (len(c.bases), c.end_lineno - c.lineno + 1) for p in ZERO.glob("*.py")
+             for c in classes(p)}
+    assert {k: v for k, v in shape.items() if v[0] > 1 or v[1] > MAX_CLASS_LINES} == {}
+    assert "base.py:ZeroBase" in shape and "storage.py:ShardStorage" in shape  # the scan sees the package
+
+
+def private_reads(source: str) -> list[str]:
+    """`x._name` where x is not self, cls or super(): one object reading another's private attribute."""
+    def own(node):
+        return (isinstance(node, ast.Name) and node.id in ("self", "cls")) or \
+            (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "super")
+    return [f"{node.attr} ({node.lineno})" for node in ast.walk(ast.parse(source)) if isinstance(node, ast.Attribute)
+            and node.attr.startswith("_") and not node.attr.startswith("__") and not own(node.value)]
+
+
+def test_no_part_reads_another_parts_private_attributes():
+    found = {p.name: private_reads(p.read_text()) for p in ZERO.glob("*.py")}
+    assert {k: v for k, v in found.items() if v} == {}
+    assert private_reads("self._a\nsuper()._b\nx.__len__\nself.shard._c\n") == ["_c (4)"]

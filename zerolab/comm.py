@@ -1,6 +1,6 @@
 """Communication accounting: bytes each rank sends per collective, per optimizer step, by link;
-and the one table of what each collective sends (VOLUMES), which the time model prices too
-(zerolab/predict/topology.py).
+the one table of what each collective sends (VOLUMES), which the time model prices too
+(zerolab/predict/topology.py); and the asynchronous collectives still running (InFlight).
 
 Counts use the bandwidth-optimal (ring) cost of each collective, the model the ZeRO paper's
 volume argument rests on (Rajbhandari et al. 2019, §7): for a buffer of S bytes over a group of
@@ -89,5 +89,31 @@ class CommCounter:
 
 def theory_bytes_per_step(n_params: int, element_size: int, world_size: int) -> float:
     """2Ψ(N−1)/N elements per rank per step, in bytes: DDP's all-reduce and ZeRO-1/2's RS+AG."""
-    n = world_size
-    return 2.0 * n_params * element_size * (n - 1) / n if n > 1 else 0.0
+    return VOLUMES["all_reduce"].sent(n_params * element_size, world_size)
+
+
+class InFlight:
+    """Asynchronous collectives still running, by key (zerolab's ZeRO: a bucket's all-gather): each
+    one's work, the tensors it reads or writes in the background (kept alive until it completes),
+    the transient bytes it holds until then, and what finishes it after the wait (None, or a
+    function: qwZ dequantizes what arrived)."""
+
+    def __init__(self):
+        self.running: dict = {}
+
+    def add(self, key, work, keep, nbytes: int = 0, finish=None) -> None:
+        self.running[key] = (work, keep, nbytes, finish)
+
+    def wait(self, keys=None) -> int:
+        """Wait for the collectives of `keys` (every one by default, in the order they started),
+        finish each, and return the transient bytes they held."""
+        freed = 0
+        for key in (list(self.running) if keys is None else keys):
+            entry = self.running.pop(key, None)
+            if entry is not None:
+                work, _, nbytes, finish = entry
+                work.wait()
+                if finish is not None:
+                    finish()
+                freed += nbytes
+        return freed

@@ -132,8 +132,9 @@ def stand_in(shape, device) -> torch.nn.Parameter:
     return p
 
 
-def _span(t: torch.Tensor, lo: int, hi: int | None) -> torch.Tensor:
-    """Elements [lo, hi) of t's flat view; t itself (its shape) when they are all of it."""
+def span(t: torch.Tensor, lo: int, hi: int | None) -> torch.Tensor:
+    """Elements [lo, hi) of t's flat view; t itself (its shape) when they are all of it (a master's
+    span here, an optimizer state's or gradient's in zerolab/optim/stored.py)."""
     if lo == 0 and (hi is None or hi == t.numel()):
         return t
     return t.view(-1)[lo:hi]
@@ -149,8 +150,9 @@ class MasterStorage:
 
     masters[i] is what the optimizer updates: the master itself under fp32, a stand-in (an fp32
     parameter of the master's shape that holds no memory: stand_in) otherwise. An entry
-    is a whole tensor (ddp) or a flat piece of a shard (zerolab's ZeRO); lo and hi select a span of
-    its flat view, the whole entry in its own shape by default."""
+    is a whole tensor (ddp) or a slab of a shard (zerolab's ZeRO); lo and hi select a span of
+    its flat view, the whole entry in its own shape by default. `held_in` makes the storage of a
+    master the weights hold."""
 
     def __init__(self, mode: str, masters: list, weights: list = (), remainders: list = ()):
         if mode not in STORAGES:
@@ -158,13 +160,23 @@ class MasterStorage:
         self.mode, self.masters = mode, masters
         self.weights, self.remainders = list(weights), list(remainders)
 
+    @classmethod
+    def held_in(cls, mode: str, weights: list[torch.Tensor]) -> "MasterStorage":
+        """The masters of bf16 `weights` stored in them (mode remainder or bf16): fp32 stand-ins of
+        their shapes for the optimizer, and for remainder an int16 remainder each, 0: the master
+        starts as the weight, as an fp32 master copied from the weights does."""
+        stand_ins = [stand_in(w.shape, w.device) for w in weights]
+        remainders = [torch.zeros(w.shape, dtype=torch.int16, device=w.device) for w in weights] \
+            if mode == "remainder" else []
+        return cls(mode, stand_ins, weights, remainders)
+
     def fp32(self, i: int, lo: int = 0, hi: int | None = None) -> torch.Tensor:
         """Elements [lo, hi) of master i in fp32: a view of it, or a copy rebuilt from its storage."""
         if self.mode == "fp32":
-            return _span(self.masters[i].detach(), lo, hi)
-        w = _span(self.weights[i].detach(), lo, hi)
+            return span(self.masters[i].detach(), lo, hi)
+        w = span(self.weights[i].detach(), lo, hi)
         if self.mode == "remainder":
-            return rebuild(w, _span(self.remainders[i], lo, hi))
+            return rebuild(w, span(self.remainders[i], lo, hi))
         return w.float()
 
     def store(self, i: int, value: torch.Tensor, lo: int = 0, hi: int | None = None) -> None:
@@ -172,9 +184,9 @@ class MasterStorage:
         under fp32: `value` is a view of the master)."""
         if self.mode == "fp32":
             return
-        w = _span(self.weights[i].detach(), lo, hi)
+        w = span(self.weights[i].detach(), lo, hi)
         if self.mode == "remainder":
-            split_(value.contiguous(), w, _span(self.remainders[i], lo, hi))
+            split_(value.contiguous(), w, span(self.remainders[i], lo, hi))
         else:
             w.copy_(value)  # round to nearest even: the lossy bf16 master
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from zerolab.master import MasterStorage, derive_weight_, stand_in
+from zerolab.master import MasterStorage, derive_weight_
 from zerolab.schema import PrecisionConfig
 
 log = logging.getLogger(__name__)
@@ -168,11 +168,10 @@ class MasterCopy:
         self.precision = precision
         self.mode = precision.master if precision is not None else "fp32"
         if self.mode == "fp32":
-            self.master = [torch.nn.Parameter(p.detach().float().clone()) for p in params]
+            self.storage = MasterStorage("fp32", [torch.nn.Parameter(p.detach().float().clone()) for p in params])
         else:  # the master starts as the weight itself: remainder 0
-            self.master = [stand_in(p.shape, p.device) for p in params]
-        remainders = [torch.zeros_like(p, dtype=torch.int16) for p in params] if self.mode == "remainder" else []
-        self.storage = MasterStorage(self.mode, self.master, params if self.mode != "fp32" else [], remainders)
+            self.storage = MasterStorage.held_in(self.mode, params)
+        self.master = self.storage.masters
 
     @property
     def remainders(self) -> list[torch.Tensor]:

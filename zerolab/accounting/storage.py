@@ -42,12 +42,6 @@ def element_states(optimizer: torch.optim.Optimizer):
     return (v for state in optimizer.state.values() for v in state.values() if is_element_state(v))
 
 
-def on_host(bytes_by_category: dict[str, int], placement: dict[str, str]) -> int:
-    """Bytes of the categories a strategy keeps in host memory (its Traits.placement says "host"):
-    what does not count against the device's memory."""
-    return sum(v for c, v in bytes_by_category.items() if placement.get(c, "device") == "host")
-
-
 def placed(every: dict[str, int], host: dict[str, int]) -> dict[str, int]:
     """Bytes by category over every place (`every`), with the places added: "device" and "host"
     (totals over CATEGORIES) and "host/<category>" for each category with host bytes. What a
@@ -66,8 +60,8 @@ def device_part(figures: dict[str, int]) -> dict[str, int]:
 
 class StorageCounter:
     """Sums storage bytes over categories and places, never counting one storage twice.
-    `placement` (a strategy's Traits.placement, category -> place) says where a category lives
-    when add() is not told."""
+    `placement` (category -> place) says where a category lives when add() is not told (FSDP2
+    under its CPU offload policy keeps every category but buffers on the host)."""
 
     def __init__(self, placement: dict[str, str] | None = None):
         self.seen: set[int] = set()

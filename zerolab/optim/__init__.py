@@ -40,7 +40,7 @@ def _kwargs(cfg: OptimConfig) -> tuple[type, dict]:
 
 def build_optimizer(cfg: OptimConfig, param_groups: list[dict]) -> ZerolabOptimizer:
     """zerolab's optimizer for `cfg.name` over `param_groups` (each with "params", and usually
-    "names" and "weight_decay"; flat groups also carry "shard", a segments.FlatShard).
+    "names" and "weight_decay"; flat groups also carry "shard", a segments.ShardMap).
 
     LAMB/LARS: the group without weight decay (biases, norm weights, position table) gets
     trust_ratio=False, the usual exclusion (You et al. 2019 §3; Goyal-style BN/bias exclusion):

@@ -241,7 +241,7 @@ class ZerolabOptimizer(torch.optim.Optimizer):
             dot = torch.zeros(n, dtype=s_sq.dtype, device=params[0].device)
             if decay:
                 for seg in segs:
-                    u, w = updates[seg.piece][seg.start:seg.end], params[seg.piece][seg.start:seg.end]
+                    u, w = updates[seg.slab][seg.start:seg.end], params[seg.slab][seg.start:seg.end]
                     dot[seg.tensor] += torch.dot(upcast(u), upcast(w))
             names = list(group["names"])
         elif params:
@@ -268,7 +268,7 @@ class ZerolabOptimizer(torch.optim.Optimizer):
                 loss = closure()
         with torch.no_grad():
             for group in self.param_groups:
-                if stored.is_stored(group):  # values kept in other dtypes (stored.py): fp32 copies, piece by piece
+                if stored.is_stored(group):  # values kept in other dtypes (stored.py): fp32 copies, slice by slice
                     stored.step_group(self, group)
                 else:
                     self._step_group(group)
@@ -348,7 +348,7 @@ def scale_per_tensor(group: dict, tensors: list[torch.Tensor], factors: torch.Te
     if is_flat_group(group):
         factors = factors.to(device=tensors[0].device, dtype=tensors[0].dtype)
         for seg in group["shard"].segments:
-            tensors[seg.piece][seg.start:seg.end].mul_(factors[seg.tensor])
+            tensors[seg.slab][seg.start:seg.end].mul_(factors[seg.tensor])
     else:
         for t, f in zip(tensors, factors.to(tensors[0].device).unbind()):
             t.mul_(f)

@@ -1,14 +1,14 @@
 """How a flat shard maps onto the tensors it came from.
 
-The ZeRO sharder hands the optimizer this rank's shard of each param group as flat tensors: one
-per bucket the group's tensors were packed into (zero1, zero2: this rank's chunk of each bucket,
-in fp32 training a view of the weights themselves), or one for the whole group (zero3).
+The ZeRO sharder hands the optimizer this rank's shard of each param group as flat tensors, its
+slabs: one per bucket the group's tensors were packed into (zero1, zero2: this rank's chunk of
+each bucket, in fp32 training a view of the weights themselves), or one for the whole group (zero3).
 Elementwise optimizers (SGD, Adam, AdamW) need nothing more. Layer-wise ones (LAMB, LARS) need
 per-*tensor* norms: each rank sums squares over the segments it owns and one all-reduce completes
 them. A flat group carries:
-  "params":    [flat pieces of the shard]
+  "params":    [the shard's slabs]
   "names":     the tensors' names, indexed by Segment.tensor
-  "shard":     a FlatShard (below): where the tensors lie in the pieces, and how to complete a sum
+  "shard":     a ShardMap (below): where the tensors lie in the slabs, and how to complete a sum
 The shard's .grad belongs to the sharder, which zeroes it after every step: an optimizer may
 overwrite it during step() once it has read it (LAMB and LARS build their update there, so a
 step allocates no shard-sized temporary; fresh allocations that large cost page faults per step).
@@ -24,16 +24,17 @@ import torch
 @dataclass(frozen=True)
 class Segment:
     tensor: int  # index of the original tensor within its param group
-    start: int  # [start, end) within the piece `piece` of this rank's shard
+    start: int  # [start, end) within the slab `slab` of this rank's shard
     end: int
     offset: int  # where the segment starts inside the original (flattened) tensor
-    piece: int = 0  # which of the group's flat pieces ("params") holds it
+    slab: int = 0  # which of the group's slabs ("params") holds it
 
 
 @dataclass(frozen=True)
-class FlatShard:
-    """What a flat (ZeRO) param group carries beside its params, under the group's "shard" key."""
-    segments: list[Segment]  # the parts of original tensors inside the group's flat pieces
+class ShardMap:
+    """What a flat (ZeRO) param group carries beside its params, under the group's "shard" key: the
+    map of this rank's shard of the group."""
+    segments: list[Segment]  # the parts of original tensors inside the group's slabs
     n_tensors: int  # tensors in the group: the length of a per-tensor norm vector
     allreduce: Callable[[torch.Tensor], None]  # sums a tensor over the ranks that share the shard, in place
 
@@ -51,10 +52,10 @@ def upcast(t: torch.Tensor) -> torch.Tensor:
     return t.float() if t.dtype in LOW_PRECISION else t
 
 
-def per_tensor_sum_sq(pieces: list[torch.Tensor], segments: list[Segment], n_tensors: int) -> torch.Tensor:
-    """This rank's partial sums of squares per original tensor over the shard's flat `pieces`
+def per_tensor_sum_sq(slabs: list[torch.Tensor], segments: list[Segment], n_tensors: int) -> torch.Tensor:
+    """This rank's partial sums of squares per original tensor over the shard's `slabs`
     (length n_tensors; fp32, or fp64 for an fp64 shard)."""
-    out = torch.zeros(n_tensors, dtype=upcast(pieces[0][:0]).dtype, device=pieces[0].device)
+    out = torch.zeros(n_tensors, dtype=upcast(slabs[0][:0]).dtype, device=slabs[0].device)
     for s in segments:
-        out[s.tensor] += upcast(pieces[s.piece][s.start:s.end]).pow(2).sum()
+        out[s.tensor] += upcast(slabs[s.slab][s.start:s.end]).pow(2).sum()
     return out

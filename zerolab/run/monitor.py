@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from zerolab.accounting import CATEGORIES, ActivationMeter, device_part, placed, process_memory
+from zerolab.accounting import ActivationMeter, device_part, process_memory
 from zerolab.activations import predict_activations
 from zerolab.memory import check_against, check_peak, ledger_for_run, peak_for_run, peak_keys, peak_of, \
     process_summary, recompute_bytes
@@ -53,12 +53,10 @@ class MemoryMonitor:
 
     def rank_figures(self, comm: dict) -> dict:
         """This rank's memory and communication figures, to be gathered on rank 0."""
-        held, where = self.strategy.memory(), self.strategy.traits.placement
-        if not held.get("host"):  # a count that did not say its places: where Traits.placement puts each category
-            held = placed(held, {c: held.get(c, 0) for c in CATEGORIES if where.get(c) == "host"})
         # every category, its host part (mem/host/<category>_bytes) and the totals by place
-        # (mem/device_bytes, mem/host_bytes: zerolab.accounting.placed)
-        out = {f"mem/{k}_bytes": v for k, v in held.items()}
+        # (mem/device_bytes, mem/host_bytes: each strategy's memory() counts its tensors in their place,
+        # zerolab.accounting.StorageCounter)
+        out = {f"mem/{k}_bytes": v for k, v in self.strategy.memory().items()}
         out["mem/activations_bytes"] = self.activations  # zerolab.accounting.ActivationMeter
         out.update(self._peak(out))
         out.update(process_memory(self.ctx.device))

@@ -23,15 +23,14 @@ import dataclasses
 import math
 import time
 from contextlib import nullcontext
-from dataclasses import dataclass, field
-from typing import Callable, ContextManager, Mapping, Optional
+from dataclasses import dataclass
+from typing import Callable, ContextManager, Optional
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
 from zerolab import numerics
-from zerolab.accounting import CATEGORIES
 from zerolab.comm import CommCounter
 from zerolab.dist import DistContext
 from zerolab.errors import ConfigError
@@ -50,7 +49,6 @@ ZEROLAB_STEP_SETTINGS = frozenset({"trainer.nonfinite", "optim.impl", "logging.l
 # (zerolab/precision_modes.py): read by the strategies that hold their own master (ddp, zero1/2/3);
 # precision.grad_shard only by zero1/zero2, the strategies that keep an fp32 gradient shard.
 PRECISION_MODE_SETTINGS = frozenset(MODE_KEYS) - {"precision.grad_shard"}
-ON_DEVICE = {c: "device" for c in CATEGORIES}
 
 
 @dataclass(frozen=True)
@@ -68,9 +66,6 @@ class Traits:
     sweep_stages: tuple = (0,)  # strategy.stage values `memory --sweep-world` gives a row; () none
     memory_reference: Optional[tuple] = None  # (strategy, stage) of another implementation, shown beside
     comm_extra: str = ""  # where its bytes per step above the ZeRO paper's come from, if they are (said by the report)
-    # where each memory category lives (zerolab.accounting.CATEGORIES -> "device" | "host"): what
-    # counts against a device's memory (an optimizer-state offload would say "host")
-    placement: Mapping[str, str] = field(default_factory=lambda: dict(ON_DEVICE))
 
 
 @dataclass(frozen=True)

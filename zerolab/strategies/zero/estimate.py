@@ -25,7 +25,7 @@ class Estimate:
 
 
 def offload_modes(shards_params: bool) -> list[dict]:
-    """The strategy.* offload settings zerolab's sharder runs (offload.py refuses the others): none,
+    """The strategy.* offload settings zerolab's sharder runs (host.py refuses the others): none,
     the optimizer's, and with sharded parameters (zero3) the parameters' too."""
     modes = [{}, {"offload_optimizer": True}]
     return modes + ([{"offload_optimizer": True, "offload_params": True}] if shards_params else [])

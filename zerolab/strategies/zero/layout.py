@@ -2,9 +2,9 @@
 collective runs.
 
 A bucket (Bucket below) is a run of parameters packed into one flat buffer (zerolab/buckets.py
-packs them); it is padded to a multiple of `shards` and cut into that many equal chunks, and a
-rank owns one chunk of every bucket. Its shard of a param group is its chunks of that group's
-buckets (shard.py).
+packs them: `pack` for zero1/2, units.py per unit for zero3); it is padded to a multiple of
+`shards` and cut into that many equal chunks, and a rank owns one chunk of every bucket. Its
+shard of a param group is its chunks of that group's buckets (storage.py).
 
 Ranks are laid out node-major (zerolab.topology): N = per_node x nodes. Three layouts:
 
@@ -26,12 +26,13 @@ setting needs them, so the default layout creates no group and runs the collecti
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 
+from zerolab.buckets import pack_buckets
 from zerolab.errors import ConfigError, ZerolabError, launch_rank
 from zerolab.topology import topology_for
 
@@ -46,17 +47,60 @@ class Bucket:
     group: int  # param group index
     params: list  # [(param, tensor index in group, offset in bucket)]
     size: int  # padded to a multiple of the shards
-    shard_pos: int  # where this bucket's chunk sits in its piece of the rank's group shard
+    shard_pos: int  # where this bucket's chunk sits in its slab of the rank's group shard
     shards: int  # the bucket is `shards` chunks of `chunk` elements (N, or a node's ranks: NodeLayout)
-    piece: int = 0  # which flat piece of the group's shard holds its chunk (zero1/2: one per bucket; zero3: one)
+    slab: int = 0  # which flat slab of the group's shard holds its chunk (zero1/2: one per bucket; zero3: one)
+    index: int = 0  # its place in the sharder's bucket list (the reduce-scatters' launch order)
     flat_params: Optional[torch.Tensor] = None  # compute-dtype buffer the params view into
-    flat_grads: Optional[torch.Tensor] = None  # zero1: gradient buffer the grads view into
-    comm_buf: Optional[torch.Tensor] = None  # zero2: in-flight gradient copy
+    flat_grads: Optional[torch.Tensor] = None  # zero1: the whole gradients, a buffer the grads view into
+    comm_buf: Optional[torch.Tensor] = None  # zero2, zero3: in-flight gradient copy
     arrived: int = 0  # gradients complete in this backward
+    chunk: int = field(init=False)  # elements per chunk (a plain field: read on every collective)
 
-    @property
-    def chunk(self) -> int:
-        return self.size // self.shards
+    def __post_init__(self):
+        self.chunk = self.size // self.shards
+
+    def flatten(self, whole_grads: bool = False) -> None:
+        """Make the bucket's params views into one flat buffer, so an all-gather lands in place;
+        `whole_grads` (zero1, which keeps them between steps): their gradients too, so a bucket is
+        reduce-scattered in place."""
+        p0 = self.params[0][0]
+        self.flat_params = torch.zeros(self.size, dtype=p0.dtype, device=p0.device)
+        for p, _, off in self.params:
+            self.flat_params[off:off + p.numel()].copy_(p.data.view(-1))
+            p.data = self.flat_params[off:off + p.numel()].view_as(p)
+        if whole_grads:
+            self.flat_grads = torch.zeros_like(self.flat_params)
+            for p, _, off in self.params:
+                p.grad = self.flat_grads[off:off + p.numel()].view_as(p)
+
+
+def make_bucket(members: list, *, group: int, shards: int, index: int, shard_pos: int = 0, slab: int = 0,
+                whole_grads: bool = False) -> Bucket:
+    """A bucket of `members` ([(param, tensor index in its group)]), padded to a multiple of `shards`
+    and flattened (Bucket.flatten)."""
+    offsets, total = [], 0
+    for p, ti in members:
+        offsets.append((p, ti, total))
+        total += p.numel()
+    b = Bucket(group=group, params=offsets, size=-(-total // shards) * shards, shard_pos=shard_pos, shards=shards,
+               slab=slab, index=index)
+    b.flatten(whole_grads)
+    return b
+
+
+def pack(model, param_groups: list[dict], shards: int, cap: int, whole_grads: bool) -> list[Bucket]:
+    """zero1/2's buckets: the param groups' tensors in the order their gradients become ready
+    (zerolab.buckets.pack_buckets), one slab per bucket; each bucket is flattened."""
+    order = {id(p): i for i, p in enumerate(model.parameters())}
+    entries = sorted(((order[id(p)], gi, ti, p) for gi, g in enumerate(param_groups)
+                      for ti, p in enumerate(g["params"])), key=lambda e: e[0])
+    slabs, buckets = [0] * len(param_groups), []
+    for gi, members in pack_buckets([(gi, p.numel()) for _, gi, _, p in entries], cap):
+        buckets.append(make_bucket([(entries[i][3], entries[i][2]) for i in members], group=gi, shards=shards,
+                                   index=len(buckets), slab=slabs[gi], whole_grads=whole_grads))
+        slabs[gi] += 1
+    return buckets
 
 
 @dataclass

@@ -45,7 +45,7 @@ def predict_zero12(p, shape, *, whole_grads: bool, shards: int, precision: str, 
     only; `whole_grads`: zero1 keeps the whole gradients between steps, zero2 only their shard.
     The shard is an fp32 master copy in mixed precision and a view of the weights where they are
     in the dtype it updates (fp32, bf16_pure), as is zero1's gradient shard then. `offload`
-    (strategy.offload_optimizer, offload.py): the shard, its gradient and state on the host, the
+    (strategy.offload_optimizer, host.py): the shard, its gradient and state on the host, the
     shard a copy of its own there."""
     n, c, dt, N = shape.n_params, COMPUTE_BYTES[precision], dtype_name(precision), shards
     sizes = zero_buckets(shape, N, c, bucket_mb)
@@ -124,7 +124,7 @@ def predict_zero3(p, shape, *, shards: int, per_node: int, precision: str, k: fl
     rb = 4 if reduce_dtype == "fp32" else c
     gb = rb if precision in MIXED else s  # the gradient shard is kept in the reduce dtype
     opt, par = settings.get("offload_optimizer", False), settings.get("offload_params", False)
-    place = "host" if opt else "device"  # offload.py: the optimizer's shard, its gradient and state
+    place = "host" if opt else "device"  # host.py: the optimizer's shard, its gradient and state
     p.add("params", shard * c, f"{dt} weights: this rank's chunk of every bucket, the only persistent copy"
                                + (" (on the host: strategy.offload_params)" if par else "") + f": {fmt_n(shard)} × {c}"
                                + (" (it is the shard the optimizer updates)" if precision not in MIXED
@@ -203,7 +203,7 @@ def _quantized_transients(p, largest: list[int], N: int, per_node: int, settings
     if settings.get("quantize_weights"):
         wires = [(N + 1) * wire_bytes(size // N, block, 8) for size in largest[:MAX_LIVE_BUCKETS]]
         p.add("transient", sum(wires), "qwZ's int8 wire buffers (this rank's quantized chunk and the gathered "
-                                       f"pieces) of the buckets gathered at once (at most {MAX_LIVE_BUCKETS})")
+                                       f"parts) of the buckets gathered at once (at most {MAX_LIVE_BUCKETS})")
     if settings.get("quantize_grads"):
         nodes, size = N // per_node, largest[0]
         hops = [2 * per_node * wire_bytes(nodes * (size // N), block, 4) if per_node > 1 else 0,

@@ -13,25 +13,25 @@ gives q·s, so per element (round to nearest)
 (plus fp32's rounding of the division and the product, 2^-24 relative). A block of zeros stays
 exactly zero. The arithmetic after dequantizing is fp32 (then the compute or reduce dtype).
 
-On the wire a quantized piece of n elements is [nb fp32 scales | nb·B·bits/8 payload bytes],
-nb = ceil(n / B): wire_bytes(n, B, bits) bytes, one uint8 tensor per piece, so a collective
+On the wire a quantized part of n elements is [nb fp32 scales | nb·B·bits/8 payload bytes],
+nb = ceil(n / B): wire_bytes(n, B, bits) bytes, one uint8 tensor per part, so a collective
 moves exactly what it would move between GPUs.
 
-qwZ: each rank quantizes its own chunk, one uint8 all-gather moves every rank's piece, and every
-rank dequantizes every piece (its own too, so all ranks compute with the same weights).
+qwZ: each rank quantizes its own chunk, one uint8 all-gather moves every rank's part, and every
+rank dequantizes every part (its own too, so all ranks compute with the same weights).
 
 qgZ: ZeRO++'s hierarchical all-to-all replaces the reduce-scatter (its "tensor slice reordering"):
   1. inside the node: the bucket (already divided by N) is reordered so that what local rank l'
      will own across nodes (chunks m·n + l' for every node m) is contiguous, quantized per peer,
-     and exchanged by one all-to-all over the node; each rank dequantizes the n pieces it got and
+     and exchanged by one all-to-all over the node; each rank dequantizes the n parts it got and
      sums them: its node's partial sums of the chunks owned by the ranks with its local index.
   2. across nodes: those M partial chunks are quantized again, one all-to-all over the ranks
-     sharing this local index, and the M pieces received are dequantized and summed: this
+     sharing this local index, and the M parts received are dequantized and summed: this
      rank's fully reduced chunk.
 So a gradient element is quantized twice: each of the N contributions once in the first hop (n
 per node, on M nodes), each of the M node partial sums once in the second; its error is at most
-Σ_j s_j / 2 over those N first-hop pieces plus Σ_m s'_m / 2 over the M second-hop pieces, each
-s the scale of the block holding the element in that piece (tests/test_nodes.py checks it).
+Σ_j s_j / 2 over those N first-hop parts plus Σ_m s'_m / 2 over the M second-hop parts, each
+s the scale of the block holding the element in that part (tests/test_nodes.py checks it).
 A hop over one rank (one node, or one rank per node) is skipped and quantizes nothing.
 """
 from __future__ import annotations
@@ -49,7 +49,7 @@ def n_blocks(n: int, block: int) -> int:
 
 
 def wire_bytes(n: int, block: int, bits: int) -> int:
-    """Bytes of one quantized piece of n elements: its fp32 scales, then its payload."""
+    """Bytes of one quantized part of n elements: its fp32 scales, then its payload."""
     nb = n_blocks(n, block)
     return 4 * nb + nb * block * bits // 8
 
@@ -89,7 +89,7 @@ def decode(buf: torch.Tensor, n: int, block: int, bits: int) -> tuple[torch.Tens
 
 
 def error_bound_sq(scale: torch.Tensor, n: int, block: int) -> torch.Tensor:
-    """Σ over n elements of (s/2)²: the square of the bound on ‖x̂ − x‖₂ of pieces with these
+    """Σ over n elements of (s/2)²: the square of the bound on ‖x̂ − x‖₂ of parts with these
     scales ([rows, nb]; a last block's padding is not counted). fp64, shape [rows]."""
     nb = scale.shape[1]
     count = torch.full((nb,), float(block), dtype=torch.float64, device=scale.device)
@@ -99,7 +99,7 @@ def error_bound_sq(scale: torch.Tensor, n: int, block: int) -> torch.Tensor:
 
 class FinishedWork:
     """The handle of a collective that has already finished (qgZ runs its two hops blocking, in
-    place), queued where the sharder's reduce-scatters queue their asynchronous work (base.py)."""
+    place), queued where the sharder's reduce-scatters queue their asynchronous work (reduce.py)."""
 
     def wait(self) -> None:
         pass
@@ -136,6 +136,15 @@ def reduce_scatter_quantized(out: torch.Tensor, buf: torch.Tensor, layout, block
     rows = buf.view(m, n, chunk).transpose(0, 1).reshape(n, m * chunk)
     partial = _hop(rows, layout.local_group, block, comm, transient)  # inside the node
     out.copy_(_hop(partial.view(m, chunk), layout.cross_group, block, comm, transient))  # across nodes
+
+
+def quantized_scatter(layout, block: int, comm, transient):
+    """qgZ as the reduction's reduce-scatter (reduce.py's `scatter`): `scatter(out, buf)` runs the
+    two hops and returns a finished work, so the reduction lands the chunk in order."""
+    def scatter(out: torch.Tensor, buf: torch.Tensor) -> FinishedWork:
+        reduce_scatter_quantized(out, buf, layout, block, comm, transient)
+        return FinishedWork()
+    return scatter
 
 
 def _hop(rows: torch.Tensor, group: Optional[object], block: int, comm, transient) -> torch.Tensor:
