@@ -42,11 +42,10 @@ def test_every_strategy_declares_format_settings_and_one_reference():
     cfg = compose(TINY)
     used = {k for k in decided for name in REGISTRY if strategy_class(name).reads(k, cfg)}
     assert decided <= used, f"strategy-decided settings no strategy reads: {sorted(decided - used)}"
-    # torch_zero inherits DDP's checkpoint methods but must not write them (its optimizer state
-    # lives on the rank owning each parameter): the class says so, not a name list.
-    assert strategy_class("torch_zero").checkpoint_format == "none"
-    assert names_where(checkpoint_format="pieces") == ["ddp", "zero1", "zero2", "zero3"]
-    assert names_where(checkpoint_format="native") == ["deepspeed"]
+    # every strategy writes zerolab's pieces (format 5); "native" is only read, from DeepSpeed's
+    # checkpoints of before, by the class that can still read them
+    assert names_where(checkpoint_format="pieces") == list(REGISTRY)
+    assert [n for n in REGISTRY if hasattr(strategy_class(n), "load_native")] == ["deepspeed"]
     # the default lists of `make run`, bench/compare.py and bench/zero.py come from the registry
     assert all_names().split(",") == list(REGISTRY)
     assert names_where(zerolab_sharder=True) == ["zero1", "zero2", "zero3"]
@@ -187,7 +186,7 @@ def test_format_2_checkpoint_still_loads(tmp_path, monkeypatch):
 
         meta_file = Path(path) / "meta.json"
         meta = json.loads(meta_file.read_text())
-        assert FORMAT_VERSION == 3 and meta["format_version"] == 3 and meta["checkpoint_format"] == "pieces"
+        assert FORMAT_VERSION == 5 and meta["format_version"] == 5 and meta["checkpoint_format"] == "pieces"
         old = {k: v for k, v in meta.items() if k not in ("checkpoint_format", "meta_sha256")}
         meta_file.write_text(meta_text({**old, "format_version": 2}))
         assert verify(path)["checkpoint_format"] == "pieces"
