@@ -139,26 +139,6 @@ def test_usr1_to_a_bare_torchrun_agent_saves_when_it_forwards_usr1(tmp_path):
     assert (run / "checkpoints" / f"step_{marker['step']:08d}" / "meta.json").exists()
 
 
-def test_a_strategy_without_checkpoints_stops_without_one_and_says_so(tmp_path):
-    """torch_zero writes no checkpoints: on SIGTERM its ranks still stop together after one step,
-    the one line of the job says there is no checkpoint, and the marker records none."""
-    run = tmp_path / "run"
-    proc, out = start(TORCHRUN_2, run, "strategy=torch_zero", "trainer.max_steps=1000")
-    out.until("step 3/1000 |")
-    proc.send_signal(signal.SIGTERM)
-    text = finish(proc, out, timeout=90)
-    assert_stopped_in_time(text)
-    marker = json.loads((run / "preempted.json").read_text())
-    assert marker["checkpoint"] is None and marker["signal"] == "SIGTERM", marker
-    # (torchrun forwards the SIGTERM to both ranks: one may have it before the other at the agreement)
-    said = re.findall(rf"^zerolab: stopped after step {marker['step']} of 1000 on SIGTERM \(received by [^)]+\); "
-                      r"checkpoint \(none\); no checkpoint was written \(this strategy cannot write one\)", text,
-                      re.MULTILINE)
-    assert len(said) == 1 and len(re.findall("^zerolab: stopped after", text, re.MULTILINE)) == 1, text[-6000:]
-    # (torchrun, itself signalled, prints no worker's exit code; launch/torchrun.sh's test reads 75)
-    assert not (run / "checkpoints").exists()
-
-
 def test_sigterm_to_launch_script_writes_preempted_status(tmp_path):
     """launch/torchrun.sh forwards the signal, then says `preempted` and exits 75 (EX_TEMPFAIL)."""
     run = tmp_path / "run"

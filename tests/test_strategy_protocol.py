@@ -250,6 +250,34 @@ def test_the_documented_example_refuses_what_it_cannot_run(tmp_path, monkeypatch
         strategy_class(name).check_config(cfg, 1)
 
 
+def test_a_strategy_without_checkpoints_is_refused_them_and_stops_without_one(tmp_path, monkeypatch, one_rank):
+    """Every registered strategy writes checkpoints; a new one need not (the page's example
+    declares none): checkpoint.every is refused before any rank starts, and a stop signal still
+    ends its run after the step, with no checkpoint, the one line saying so and the marker none."""
+    from zerolab.errors import ConfigError
+    from zerolab.run.preempt import MARKER, Preempted, Stop
+    from zerolab.trainer import Trainer
+
+    name = _documented_strategy(tmp_path, monkeypatch)
+    assert strategy_class(name).checkpoint_format == "none"
+    cfg = compose([*TINY, "strategy=ddp", f"run.dir={tmp_path / 'run'}", f"data.path={fixed_corpus()}",
+                   "trainer.max_steps=4", "checkpoint.every=2"])
+    cfg.strategy.name = name
+    with pytest.raises(ConfigError, match=rf"strategy={name} cannot write checkpoints yet; use one of ddp, "):
+        strategy_class(name).check_config(cfg, 1)
+    cfg.checkpoint.every = 0
+    trainer = Trainer(cfg, one_rank)
+    try:
+        trainer.train_step(0)
+        with pytest.raises(Preempted, match=r"^zerolab: stopped after step 1 of 4 on SIGTERM; checkpoint \(none\); "
+                                            r"no checkpoint was written \(this strategy cannot write one\)$"):
+            trainer.stop(1, None, Stop(signal="SIGTERM", signalled=(0,), write_failed=(), world_size=1))
+    finally:
+        trainer.close()
+    assert json.loads((tmp_path / "run" / MARKER).read_text())["checkpoint"] is None
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
 # ---- docs/writing-a-strategy.md is true to the code ------------------------------------------------
 NUMBERS = {n: i for i, n in enumerate("zero one two three four five six seven eight nine ten eleven twelve thirteen "
                                       "fourteen fifteen sixteen seventeen eighteen nineteen twenty".split())}
