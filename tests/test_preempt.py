@@ -157,10 +157,14 @@ def test_usr1_to_launch_script_at_four_ranks_stops_in_time(tmp_path):
     """Four ranks under launch/torchrun.sh, and a SIGUSR1 to the script (Slurm's warning, or `kill
     -USR1`): the script passes a TERM to torchrun, torchrun one TERM to each worker, and every rank
     saves at the same step and exits by itself (none waits for a second signal that never comes):
-    said once, status preempted, exit 75."""
+    said once, status preempted, exit 75. The script gives torchrun the stop's budget,
+    ZEROLAB_STOP_S, as its --shutdown-timeout (read from the running agent's command line)."""
     run = tmp_path / "run"
-    proc, out = start([str(ROOT / "launch" / "torchrun.sh")], run, "trainer.max_steps=1000", env={"NPROC": "4"})
+    proc, out = start([str(ROOT / "launch" / "torchrun.sh")], run, "trainer.max_steps=1000",
+                      env={"NPROC": "4", "ZEROLAB_STOP_S": "45"})
     out.until("step 2/1000 |")
+    agents = [pid for pid in children(proc.pid) if b"torch.distributed.run" in cmdline(pid)]
+    assert len(agents) == 1 and b"--shutdown-timeout=45" in cmdline(agents[0]).split(b"\0"), agents
     proc.send_signal(signal.SIGUSR1)
     text = finish(proc, out, timeout=120)
     assert_stopped_in_time(text)
@@ -185,22 +189,38 @@ def test_rank_frozen_mid_backward_is_named(tmp_path):
     assert "stopped: rank 1 in step 4 (backward): frozen (stopped by a signal or a debugger); killed" in text
 
 
-def rank_pid(agent_pid: int, rank: int) -> int:
-    """The worker of torchrun agent `agent_pid` that runs `rank` (from its environment)."""
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
+def children(pid: int) -> list[int]:
+    """The processes whose parent is `pid`."""
+    out = []
+    for entry in filter(str.isdigit, os.listdir("/proc")):
         try:
-            with open(f"/proc/{pid}/stat") as fh:
-                ppid = int(fh.read().rsplit(")", 1)[1].split()[1])
-            if ppid != agent_pid:
-                continue
-            with open(f"/proc/{pid}/environ", "rb") as fh:
-                env = dict(kv.split(b"=", 1) for kv in fh.read().split(b"\0") if b"=" in kv)
+            with open(f"/proc/{entry}/stat") as fh:
+                if int(fh.read().rsplit(")", 1)[1].split()[1]) == pid:
+                    out.append(int(entry))
         except OSError:
             continue
+    return out
+
+
+def proc_file(pid: int, name: str) -> bytes:
+    """/proc/<pid>/<name> (cmdline, environ: NUL-separated), empty if the process is gone."""
+    try:
+        with open(f"/proc/{pid}/{name}", "rb") as fh:
+            return fh.read()
+    except OSError:
+        return b""
+
+
+def cmdline(pid: int) -> bytes:
+    return proc_file(pid, "cmdline")
+
+
+def rank_pid(agent_pid: int, rank: int) -> int:
+    """The worker of torchrun agent `agent_pid` that runs `rank` (from its environment)."""
+    for pid in children(agent_pid):
+        env = dict(kv.split(b"=", 1) for kv in proc_file(pid, "environ").split(b"\0") if b"=" in kv)
         if env.get(b"RANK") == str(rank).encode():
-            return int(pid)
+            return pid
     raise AssertionError(f"no worker with RANK={rank} under torchrun pid {agent_pid}")
 
 

@@ -170,6 +170,7 @@ def _check_run(cfg: Config, world: int) -> None:
         _choice("fault.phase", f.phase, FAULT_PHASES)
     if f.phase == RECORD_CUT and f.mode != "exit":
         raise ConfigError(f"fault.phase={RECORD_CUT} goes with fault.mode=exit (got fault.mode={f.mode})")
+    _positive("fault.slow_save_s", f.slow_save_s, allow_zero=True)
 
 
 def _check_profile(cfg: Config, world: int) -> None:

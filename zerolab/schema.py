@@ -314,6 +314,9 @@ class FaultConfig:
     # before its first forward; counted in that step's time (profile.steps shows where it lands)
     slow_rank: int = -1
     slow_ms: float = 0.0
+    # A slow checkpoint directory: every rank spends this many seconds more in each checkpoint save,
+    # before it writes (a test and rehearsal hook for the stop's time budget; every attempt)
+    slow_save_s: float = 0.0
 
 
 @dataclass

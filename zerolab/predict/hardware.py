@@ -76,6 +76,13 @@ DEVICES = {d.name: d for d in (
            "torchtitan benchmarks/llama3_h100_202412_torchtitan.md: 96GB HBM2e, 2.4 TB/s, 400 Gb/s RDMA per GPU, "
            "500 W; its peak FLOP/s is not published ('between SXM and NVL'): the H100 SXM's is used, as torchtitan's "
            "MFU does", "nvlink4", "roce-400"),
+    # The 24 GB card of a one-GPU job (README's 13B-with-offload plan). No kernel rates of its own
+    # (zerolab.predict.gpu.KERNELS): priced at `achievable` of each peak. Training accumulates in
+    # fp32, and on this GeForce part fp32 accumulation runs at half the fp16-accumulate rate.
+    Device("rtx4090", "NVIDIA GeForce RTX 4090 24GB", {"bf16": 165.2e12, "fp16": 165.2e12, "fp32": 82.6e12},
+           1008e9, 24 * 10**9, "NVIDIA 'NVIDIA Ada GPU Architecture' whitepaper (2023), Appendix A, GeForce RTX "
+           "4090: BF16/FP16 tensor 165.2 TFLOPS dense with FP32 accumulate (330.3 with FP16 accumulate), FP32 82.6, "
+           "GDDR6X 1,008 GB/s, 24 GB, PCIe 4.0 x16, no NVLink", "pcie4", "eth-100"),
 )}
 
 LINKS = {k.name: k for k in (
