@@ -78,9 +78,10 @@ def test_resume_at_the_same_world_size_is_bitwise(tmp_path, label, overrides):
 
 
 # A DeepSpeed stage-2 checkpoint in DeepSpeed's own format, written by zerolab 7881427 (before
-# format version 5) from `torchrun --nproc_per_node=2 train.py model=gpt_tiny model.n_embd=32
-# model.n_layer=1 data=text trainer.eval_every=0 data.micro_batch=4 optim.warmup_steps=2
-# trainer.max_steps=6 strategy=deepspeed strategy.stage=2 checkpoint.every=3`: its step_00000003.
+# format version 5) from `ZEROLAB_CACHE=<the tests' cache> torchrun --nproc_per_node=2 train.py
+# model=gpt_tiny model.n_embd=32 model.n_layer=1 data=text trainer.eval_every=0 data.micro_batch=4
+# optim.warmup_steps=2 trainer.max_steps=6 strategy=deepspeed strategy.stage=2 checkpoint.every=3`
+# (the tests' fixed corpus, conftest.fixed_corpus): its step_00000003.
 NATIVE = ROOT / "tests" / "data" / "deepspeed-stage2-native-7881427.tar.gz"
 NATIVE_RUN = ["model=gpt_tiny", "model.n_embd=32", "model.n_layer=1", "data=text", "trainer.eval_every=0",
               "data.micro_batch=4", "optim.warmup_steps=2", "trainer.max_steps=6", "strategy=deepspeed",
