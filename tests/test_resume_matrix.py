@@ -4,8 +4,10 @@ The writers: ddp, zero1, zero2, zero3, DeepSpeed stages 1-3, torch_zero and fsdp
 fp32 run of gpt_tiny that saves at step K and goes on to K + 2; and in bf16 one writer of each
 library (zerolab's zero3, DeepSpeed stage 2, torch's fsdp) on 3 ranks. The readers: every
 strategy, one launch each (tests/workers/resume_matrix.py), resuming every fp32 checkpoint on 3
-ranks and, in another launch, every bf16 one on 2. The global batch is 12 sequences at 2 and 3
-ranks, so a reader's steps after K take the data the writer's took.
+ranks and, in another launch, every bf16 one on 2. Beside the matrix: offload and HSDP across
+libraries (CROSS), and fp16 with its dynamic loss scale between zerolab's scaler and DeepSpeed's,
+both ways (FP16_CELLS). The global batch is 12 sequences at 2 and 3 ranks, so a reader's steps
+after K take the data the writer's took.
 
 Two checks per cell:
 1. The state the reader holds right after loading, saved by the reader itself at step K in its own
@@ -23,9 +25,11 @@ Two checks per cell:
    lr·m/√v: a share of order 1 (tests/test_resume_strategies.py shows it).
    Measured on 2026-12-06 over all 81 fp32 and 27 bf16 cells: fp32 4.3e-7 to 1.8e-6 (the largest
    between DeepSpeed's Adam kernel and torch's: 4.3e-7 to 5.1e-7 within one library), bf16 3.6e-3 to
-   4.4e-3. Bounds: fp32 1e-5 (5.5x the largest seen), bf16 4 x 2^-8 = 1.6e-2 (four bf16 ulps of the
-   gradient, 3.5x the largest seen): the resharding tests' (tests/test_checkpoint_reshard.py, the
-   same argument), and each far below a wrong state's order 1.
+   4.4e-3; the offload and HSDP cells 5.1e-7 to 1.8e-6; fp16 (gradients rounded to 2^-11 relative)
+   3.8e-4 and 4.2e-4. Bounds: fp32 1e-5 (5.5x the largest seen), bf16 4 x 2^-8 = 1.6e-2 (four bf16
+   ulps of the gradient, 3.5x the largest seen), fp16 4 x 2^-11 = 2.0e-3 (four fp16 ulps, 4.6x):
+   the resharding tests' argument (tests/test_checkpoint_reshard.py), each far below a wrong
+   state's order 1.
 """
 import json
 from pathlib import Path
@@ -60,9 +64,16 @@ STRATEGIES = {**STRATEGIES, **VARIANTS}
 CROSS = [("zero3-offload", "ds3-offload"), ("ds2-offload", "fsdp-offload"), ("fsdp-offload", "zero2-offload"),
          ("zero2-hsdp", "ds2"), ("ds3-offload", "zero3-hsdp")]
 MATRIX = ["ddp", "zero1", "zero2", "zero3", "ds1", "ds2", "ds3", "torch_zero", "fsdp"]
-WRITERS = {"fp32": (2, MATRIX), "bf16": (3, ["zero3", "ds2", "fsdp"])}  # precision: (ranks, writers)
-READER_RANKS = {"fp32": 3, "bf16": 2}
-BOUND = {"fp32": 1e-5, "bf16": 4 * 2 ** -8}  # see the module docstring
+WRITERS = {"fp32": (2, MATRIX), "bf16": (3, ["zero3", "ds2", "fsdp"]),  # precision: (ranks, writers)
+           "fp16": (2, ["zero2", "ds2"])}
+READER_RANKS = {"fp32": 3, "bf16": 2, "fp16": 3}
+BOUND = {"fp32": 1e-5, "bf16": 4 * 2 ** -8, "fp16": 4 * 2 ** -11}  # see the module docstring
+# fp16's dynamic loss scale between the libraries (DeepSpeed keeps its own scaler), both ways: the
+# scale doubles every 2 clean steps here, so by step K it has grown and its clean-step count is not 0.
+# When it next doubles follows each library's own rule (DeepSpeed's a step after zerolab's), so the
+# scale stays far below an overflow (an overflow in one run and not the other skips a step there).
+FP16 = ["precision=fp16", "precision.initial_scale=1024", "precision.growth_interval=2"]
+FP16_CELLS = [("zero2", "ds2"), ("ds2", "zero2")]
 
 
 def batch(n: int) -> str:
@@ -78,7 +89,7 @@ def test_the_matrix_covers_every_strategy_each_library_in_bf16_and_both_world_ch
 @pytest.fixture(scope="module")
 def writers(tmp_path_factory):
     """(precision, writer) -> its run directory, each written once per module."""
-    from conftest import run_ranks
+    import ranks
 
     made = {}
 
@@ -86,10 +97,16 @@ def writers(tmp_path_factory):
         if (precision, name) not in made:
             n = WRITERS[precision][0]
             run = tmp_path_factory.mktemp(f"w-{name}-{precision}") / "run"
-            run_ranks(run, n, *COMMON, batch(n), *STRATEGIES[name], f"precision={precision}", f"checkpoint.every={K}")
+            ranks.call(run, n, "workers.resume_matrix:train", *COMMON, batch(n), *STRATEGIES[name],
+                       *precision_overrides(precision), f"checkpoint.every={K}", f"run.dir={run}",
+                       "logging.wandb.mode=disabled", "logging.progress=false")
             made[precision, name] = run
         return made[precision, name]
     return get
+
+
+def precision_overrides(precision: str) -> list[str]:
+    return FP16 if precision == "fp16" else [f"precision={precision}"]
 
 
 def assembled(path: Path) -> dict:
@@ -115,6 +132,7 @@ def state_differences(written: Path, loaded: Path) -> list[str]:
     problems += [f"{k} differs" for k in sorted(set(a) & set(b))
                  if a[k].dtype != b[k].dtype or not torch.equal(a[k], b[k])][:4]
     for field, get in (("step count", lambda m: m["optimizer_scalars"]["step"]["value"]),
+                       ("loss scaler", lambda m: m["loss_scaler"]),
                        ("next lr", lambda m: m["lr_schedule"]["next_lr"]),
                        ("data position", lambda m: m["sampler"]["next_step"])):
         if get(meta_a) != get(meta_b):
@@ -149,7 +167,7 @@ def read_all(tmp_path: Path, reader: str, precision: str, sources: dict) -> dict
     n, jobs, out = READER_RANKS[precision], [], {}
     for name, run in sources.items():
         job = tmp_path / f"{name}-into-{reader}"
-        jobs.append([*COMMON, batch(n), *STRATEGIES[reader], f"precision={precision}",
+        jobs.append([*COMMON, batch(n), *STRATEGIES[reader], *precision_overrides(precision),
                      f"checkpoint.resume={run / 'checkpoints' / f'step_{K:08d}'}", f"run.dir={job / 'run'}",
                      f"checkpoint.dir={job / 'loaded'}", "logging.wandb.mode=disabled", "logging.progress=false"])
         out[name] = (job / "run", job / "loaded" / f"step_{K:08d}")
@@ -168,6 +186,16 @@ def test_reader_resumes_every_writer(tmp_path, writers, reader, precision):
 @pytest.mark.parametrize("writer,reader", CROSS, ids=[f"{w}-into-{r}" for w, r in CROSS])
 def test_offload_and_hsdp_resume_across_libraries(tmp_path, writers, writer, reader):
     assert_resumes(tmp_path, reader, "fp32", {writer: writers("fp32", writer)})
+
+
+@pytest.mark.parametrize("writer,reader", FP16_CELLS, ids=[f"{w}-into-{r}" for w, r in FP16_CELLS])
+def test_fp16_loss_scale_carries_between_libraries(tmp_path, writers, writer, reader):
+    """zerolab's loss scaler and DeepSpeed's own: the scale and its count of clean steps since the
+    last overflow carry over both ways (the reader's save right after loading reads DeepSpeed's
+    scaler back out of DeepSpeed), and the run continues within fp16's rounding."""
+    assert_resumes(tmp_path, reader, "fp16", {writer: writers("fp16", writer)})
+    meta = json.loads((writers("fp16", writer) / "checkpoints" / f"step_{K:08d}" / "meta.json").read_text())
+    assert meta["loss_scaler"]["scale"] > 1024 and meta["loss_scaler"]["clean_steps"] == K, meta["loss_scaler"]
 
 
 def assert_resumes(tmp_path: Path, reader: str, precision: str, sources: dict) -> None:

@@ -7,6 +7,10 @@ built (it resumes while it is built, as train.py's job does), saves at once the 
 right after loading (its own pieces, at the checkpoint's step, into its checkpoint.dir), trains
 the rest of the run (its final weights in its run.dir), and closes. A job that fails fails the
 launch, naming the job.
+
+`train([overrides...])`: train.py's job, for a writer. Both let DeepSpeed train fp16 on a CPU
+without AVX512-FP16 as on one with it (tests/workers/ds_fp16_cpu.py says why that is the same
+run): the one predicate DeepSpeed's CPU accelerator answers, pinned to yes for fp16 jobs.
 """
 import json
 import logging
@@ -15,12 +19,28 @@ from pathlib import Path
 log = logging.getLogger("zerolab")
 
 
+def _offer_fp16(overrides: list[str]) -> None:
+    if "precision=fp16" in overrides:
+        from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
+
+        CPU_Accelerator.is_fp16_supported = lambda self: True
+
+
+def train(args: list[str]) -> None:
+    from zerolab.config import compose
+    from zerolab.job import run
+
+    _offer_fp16(args)
+    run(compose(args))
+
+
 def read_each(args: list[str]) -> None:
     from zerolab import dist as zdist
     from zerolab.config import compose, validate
     from zerolab.trainer import Trainer
 
     jobs = json.loads(Path(args[0]).read_text())
+    _offer_fp16([o for job in jobs for o in job])
     ctx = None
     for job in jobs:
         cfg = validate(compose(job))

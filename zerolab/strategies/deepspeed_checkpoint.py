@@ -88,6 +88,7 @@ class DeepSpeedCheckpointing(NativeCheckpoint):
                                      safe_get_local_fp32_param, safe_get_local_optimizer_state)
 
         self._link_fragments()
+        self.mirror_scaler()  # meta.json's loss scaler: DeepSpeed's own, even before its first step here
         kinds, rank, world = self._state_kinds(), self.ctx.rank, self.ctx.world_size
         out = {}
         for name, p in self._trained():  # every rank, in one order: the stage 1-2 getters all-reduce
