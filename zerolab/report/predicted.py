@@ -61,6 +61,14 @@ def calibrate_once() -> str:
             f"{os.cpu_count()} cores), into {path}, which later reports and `--hardware cpu` reuse.")
 
 
+def measured_parts(b: dict) -> dict:
+    """The report's breakdown (medians with their 95 % intervals, pooled over a job's rounds) as the
+    time model's comparison reads it: part or "step" -> {"median", "lo", "hi"}."""
+    keys = {"compute": "compute_s", "optimizer": "optimizer_s", "comm_exposed": "comm_exposed_s",
+            "other": "other_s", "step": "step_s"}
+    return {part: {"median": b[k], "lo": b["spread"][k][0], "hi": b["spread"][k][1]} for part, k in keys.items()}
+
+
 def predictions(runs: list, out_dir: Path, mode: str) -> dict:
     """{"table": report.md's section (or ""), "figure": predicted.png (or None), "rows": [...],
     "note": why nothing was predicted (or "")}. Under `auto` a machine without a calibration is
@@ -89,7 +97,7 @@ def predictions(runs: list, out_dir: Path, mode: str) -> dict:
             return {**empty, "note": measured_now}
     rows, left_out = [], []
     for run in profiled:
-        row = predict_run(str(run.path), "cpu")
+        row = predict_run(str(run.path), "cpu", measured=measured_parts(run.stats["breakdown"]))
         if row is None:  # a strategy the dry run cannot rehearse (DeepSpeed): no step to price
             left_out.append(run.label)
             continue
