@@ -128,7 +128,8 @@ def breakdown_table(runs: list[Run]) -> str:
         lines.append(f"| {r.label} | {b['rounds']} × {per_round} × {len(b['per_rank'])} | {cell('step_s')} | "
                      f"{cell('compute_s')} | {cell('optimizer_s')} | {cell('comm_exposed_s')} | "
                      f"{_f(worst * 1e3, '{:.1f}')} | {cell('other_s')} | {cell('comm_s')} | "
-                     f"{_f(b['hidden'] * 100, '{:.0f} %')} | {_f(r.stats.get('mfu', float('nan')) * 100, '{:.1f} %')} |")
+                     f"{_f(b['hidden'] * 100, '{:.0f} %')} | "
+                     f"{_f(r.stats.get('mfu', float('nan')) * 100, '{:.1f} %')} |")
     return "\n".join(lines)
 
 
