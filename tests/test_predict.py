@@ -272,15 +272,15 @@ CALIBRATION = {"machine": "test", "date": "2026-12-03", "cores": 2, "ranks": {
                       "all_gather": {"2": {"latency_s": 0.0, "bandwidth": 4e8}}}} for n in (1, 2, 3)}}
 
 
-def test_gloo_between_the_measured_sizes_is_interpolated_and_never_cheaper_for_more_bytes():
-    from zerolab.predict.topology import gloo_seconds
+def test_gloo_latency_comes_from_the_small_sizes_and_bandwidth_from_the_large():
+    from zerolab.predict.calibrate import _fit
 
-    # measured: 4 kB 100 us, 64 kB 80 us (noise: made 100 us, as a smaller buffer is never dearer), 1 MB 1 ms
-    fit = {"latency_s": 0.0, "bandwidth": 1e9, "points": [[4e3, 1e-4], [64e3, 8e-5], [1e6, 1e-3]]}
-    assert gloo_seconds(fit, 1e3) == 1e-4 and gloo_seconds(fit, 64e3) == 1e-4
-    assert math.isclose(gloo_seconds(fit, 532e3), 1e-4 + 0.5 * 9e-4, rel_tol=REL)  # half way, linear
-    assert math.isclose(gloo_seconds(fit, 3e6), 1e-3 + 2e6 / 1e9, rel_tol=REL)  # beyond: the fitted bandwidth
-    assert gloo_seconds({"latency_s": 1e-4, "bandwidth": 1e9}, 1e6) == 1e-4 + 1e6 / 1e9  # an older calibration
+    # measured: 4, 16, 64 kB at 0.2 ms, but 16 kB disturbed (3.6 ms); 1, 4, 16 MB at 1 GB/s beyond 1 ms
+    points = [(4 << 10, 2e-4), (16 << 10, 3.6e-3), (64 << 10, 2e-4), (1 << 20, 1e-3 + (1 << 20) / 1e9),
+              (4 << 20, 1e-3 + (4 << 20) / 1e9), (16 << 20, 1e-3 + (16 << 20) / 1e9)]
+    fit = _fit(points)
+    assert fit["latency_s"] == 2e-4  # the median of the three small sizes: the disturbed one does not count
+    assert math.isclose(fit["bandwidth"], 1e9, rel_tol=1e-9) and len(fit["points"]) == 6
 
 
 def test_an_op_of_a_measured_name_costs_its_nearest_measured_rate():

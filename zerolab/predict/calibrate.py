@@ -25,8 +25,9 @@ so each figure is what one rank gets while the others work beside it. Per n:
   compute chunks each followed by a tiny all-reduce, against both alone); more ranks than cores
   reach a meeting at different times, and the cores idle while the first ones wait;
 - gloo (n >= 2): all-reduce, reduce-scatter, all-gather and broadcast at 4 KiB to 32 MiB, the
-  median of 5 after a warm-up, each alone (a barrier before it), kept and fitted to latency + bytes
-  / bandwidth (bytes: the full buffer);
+  median of 5 after a warm-up, each alone (a barrier before it), as latency + bytes / bandwidth
+  (bytes: the full buffer): the latency from the sizes up to 64 KiB, the bandwidth from 1 MiB on
+  (_fit);
 - queued_s (n >= 2): what a collective costs beyond that when it is issued behind others of its
   group, as strategies issue many small ones in a row (torch's ZeroRedundancyOptimizer broadcasts
   every parameter; a sharder launches a collective per bucket): 16 collectives of 4-64 KiB issued
@@ -229,11 +230,15 @@ def meeting_cost(iterations: int = 30) -> float:
 
 
 def _fit(points: list[tuple[int, float]]) -> dict:
-    """Least squares t = latency + bytes / bandwidth (latency at least 0)."""
-    xs, ys = [p[0] for p in points], [p[1] for p in points]
+    """t = latency + bytes / bandwidth: the latency the median time of the sizes up to 64 KiB (where
+    the bytes cost next to nothing: one disturbed size among three does not move it), the bandwidth
+    the least-squares slope over the sizes from 1 MiB (where they cost most of it); all points kept."""
+    small = [y for x, y in points if x <= 64 << 10]
+    large = [(x, y) for x, y in points if x >= 1 << 20] or points
+    xs, ys = [p[0] for p in large], [p[1] for p in large]
     mx, my = statistics.mean(xs), statistics.mean(ys)
-    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
-    latency = max(0.0, my - slope * mx)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs) if len(xs) > 1 else 0.0
+    latency = statistics.median(small) if small else max(0.0, my - slope * mx)
     return {"latency_s": latency, "bandwidth": 1.0 / slope if slope > 0 else float("inf"),
             "points": [[x, y] for x, y in points]}
 

@@ -20,10 +20,11 @@ fused AdamW over flat pieces, the buffers zeroed.
 Each op is timed as it is dispatched (a TorchDispatchMode around its kernel call, median of
 `REPEATS` steps) and kept under its name with its shape: a matmul's or attention's dims
 (ops.gemm_dims), any other op's bytes and kernel count (zerolab.predict.ops counts both).
-`host_s_per_kernel` is what the steps took beyond their timed ops (Python modules, autograd, views),
-per kernel. `table_seconds` prices an op at the rate (FLOPs, or bytes where it has no FLOPs, per
-second) of the measured ops of its name nearest to it in log-shape (inverse-distance weighted, the
-3 nearest), or None for a name the reference steps never ran (the roofline prices it).
+`host_s_per_kernel` is what a step took beyond its timed ops (Python modules, autograd, views), per
+kernel, the median over the reference steps. `table_seconds` prices an op at the rate (FLOPs, or
+bytes where it has no FLOPs, per second) of the measured ops of its name nearest to it in
+log-shape (inverse-distance weighted, the 3 nearest), or None for a name the reference steps never
+ran (the roofline prices it).
 """
 from __future__ import annotations
 
@@ -39,7 +40,7 @@ import torch.nn.functional as F
 # (style, width, sequences, tokens a sequence): 2 blocks each, vocabulary 512, head dim 48-64
 SHAPES = (("gpt", 96, 8, 128), ("gpt", 192, 4, 256), ("gpt", 384, 8, 128), ("gpt", 512, 2, 512),
           ("llama", 160, 4, 256), ("llama", 320, 8, 128))
-VOCAB, LAYERS, REPEATS, NEAREST = 512, 2, 3, 3
+VOCAB, LAYERS, REPEATS, NEAREST = 512, 2, 5, 3
 
 
 class _Block(nn.Module):
@@ -145,13 +146,11 @@ def reference_rows(style: str, d: int, sequences: int, tokens: int) -> tuple[lis
             return _timed(func, args, kwargs or {}, self.rows)
 
     step()  # optimizer states exist from here
-    walls = []
-    for _ in range(REPEATS):
+    walls, runs = [], []
+    for _ in range(REPEATS):  # untimed and timed steps in turns: a slower moment of the machine hits both
         t0 = time.perf_counter()
         step()
         walls.append(time.perf_counter() - t0)
-    runs = []
-    for _ in range(REPEATS):
         mode = Timed()
         mode.rows = []
         with mode:
@@ -166,18 +165,18 @@ def measure_table() -> dict:
     every reference step's ops, each distinct (name, shape) once (its median over the steps that
     ran it), work = FLOPs where the op has them, else bytes."""
     points: dict = defaultdict(list)
-    beyond, kernels = 0.0, 0
+    beyond = []
     for shape in SHAPES:
         rows, wall = reference_rows(*shape)
-        beyond += wall - sum(r[5] for r in rows)
-        kernels += sum(r[3] for r in rows)
+        beyond.append(max(0.0, wall - sum(r[5] for r in rows)) / sum(r[3] for r in rows))
         for name, flops, moved, k, dims, seconds in rows:
             key = list(dims) if dims else [moved, k]
             points[(name, tuple(key), flops or moved)].append(seconds)
     table: dict = defaultdict(list)
     for (name, key, work), seconds in points.items():
         table[name].append([list(key), work, statistics.median(seconds)])
-    return {"kernels": dict(table), "host_s_per_kernel": max(0.0, beyond / max(kernels, 1))}
+    # the median over the steps: a difference of two timed totals, so one disturbed step moves its own only
+    return {"kernels": dict(table), "host_s_per_kernel": statistics.median(beyond)}
 
 
 def merge_tables(tables: list[dict]) -> dict:

@@ -49,6 +49,8 @@ class Prediction:
 
 
 def op_seconds(op: Op, dev: Device) -> float:
+    if op.host_s:  # a host section of the strategy's Python (zerolab.predict.record.HostSections)
+        return op.host_s if dev.host_sync else 0.0  # on a GPU the host runs ahead of the device
     kinds = None if dev.host_sync else KERNELS.get(dev.name)
     if kinds is not None:
         return kernel_seconds(op, dev, kinds)

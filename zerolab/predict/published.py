@@ -115,7 +115,7 @@ def _event(kind: str, fields: list):
     if cls is Collective:
         fields[3] = tuple(fields[3])
     elif cls is Op:
-        fields[-1] = tuple(fields[-1])
+        fields[9] = tuple(fields[9])  # dims (a record saved before host_s ends with them)
     return cls(*fields)
 
 

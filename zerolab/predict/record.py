@@ -77,6 +77,7 @@ class Op:
     dtype: str  # the compute dtype of an op with FLOPs ("" for the rest)
     block: int  # the repeated block (zerolab.models.find_blocks) whose module issued it, -1 outside one
     dims: tuple = ()  # a matmul's (batch, m, n, k) (ops.gemm_dims): a GPU's rate depends on its shape
+    host_s: float = 0.0  # a host section (name "host:..."): the Python it ran, timed in the dry run (no kernel)
 
 
 @dataclass(slots=True)
@@ -123,20 +124,25 @@ class _OpMode(TorchDispatchMode):
         self.recorder = recorder
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if any(issubclass(t, DTensor) for t in types):  # (types: the tensor subclasses among the arguments)
-            # DTensor's own dispatch goes first: its local ops and the collectives it issues to
-            # redistribute (a Partial sum's all-reduce) come back here, each recorded as it runs.
-            return NotImplemented
-        out = func(*args, **kwargs)
         rec = self.recorder
-        if rec.step is not None:
-            ns = func.namespace
-            if ns == "_c10d_functional":
-                rec.functional(func, args, out)
-            elif ns not in _SKIP_NAMESPACES:
-                rec.op(func, args, kwargs, out)
-        return out
+        rec.dispatches += 1
+        t0 = rec.enter()
+        try:
+            kwargs = kwargs or {}
+            if any(issubclass(t, DTensor) for t in types):  # (types: the tensor subclasses among the arguments)
+                # DTensor's own dispatch goes first: its local ops and the collectives it issues to
+                # redistribute (a Partial sum's all-reduce) come back here, each recorded as it runs.
+                return NotImplemented
+            out = func(*args, **kwargs)
+            if rec.step is not None:
+                ns = func.namespace
+                if ns == "_c10d_functional":
+                    rec.functional(func, args, out)
+                elif ns not in _SKIP_NAMESPACES:
+                    rec.op(func, args, kwargs, out)
+            return out
+        finally:
+            rec.leave(t0)
 
 
 class Recorder:
@@ -156,6 +162,10 @@ class Recorder:
         self.event_ids: dict[int, tuple] = {}  # id(event) -> (event, the step record, its number there)
         self.saved: list = []
         self.seconds = 0.0  # time spent recording (what it adds to the dry run)
+        # host sections (HostSections): time inside the dispatcher's handler and the process group's
+        # wrappers, and how many dispatches, so a section's own Python is its wall time less them
+        self.inside_s, self.dispatches, self.depth = 0.0, 0, 0
+        self.host = HostSections(self)
 
     # ---- installing ----------------------------------------------------------------------------
     def __enter__(self):
@@ -169,14 +179,18 @@ class Recorder:
                 self._patch(cls, "wait", self._waiter)
         self._patch(Work, "get_future", self._future)
         self._patch_streams()
+        self.host.wrap_hooks(self.model)  # before the recorder's own hooks below: those are not the program's
         self.hooks = [self.model.register_forward_pre_hook(self._forward, prepend=True), *self._block_hooks()]
         self._wrap_strategy()
+        self._patch(torch.autograd, "backward", self.host.engine)
         self.mode = _OpMode(self)
         self.mode.__enter__()
+        self.host.measure_dispatch()
         return self
 
     def __exit__(self, *exc):
         self.mode.__exit__(*exc)
+        self.host.unwrap_hooks()
         for h in self.hooks:
             h.remove()
         for cls, name, raw in reversed(self.saved):
@@ -198,17 +212,22 @@ class Recorder:
         def recorded_backward(loss, *args, **kwargs):
             rec.phase, rec.in_backward = "backward", True
             try:
-                return backward(loss, *args, **kwargs)
+                with rec.host.section("strategy.backward"):  # less the autograd engine's run (HostSections.engine)
+                    return backward(loss, *args, **kwargs)
             finally:
                 rec._consumer_waits()
                 rec.phase, rec.in_backward = "other", False
+                rec.host.open_other()
 
         def recorded_step(*args, **kwargs):
+            rec.host.close_other()
             rec.phase = "optimizer"
             try:
-                return step(*args, **kwargs)
+                with rec.host.section("strategy.step"):
+                    return step(*args, **kwargs)
             finally:
                 rec.phase = "other"
+                rec.host.open_other()
 
         self.saved.append((s, "backward", vars(s).get("backward")))
         self.saved.append((s, "step", vars(s).get("step")))
@@ -233,16 +252,29 @@ class Recorder:
 
     def _forward(self, module, args) -> None:
         if not self.in_backward:  # (a checkpointed block's recomputation runs inside backward)
+            self.host.close_other()
             self.phase = "forward"
+
+    def enter(self) -> float:
+        """The dispatcher's handler or a process group's wrapper starts: time not the program's own."""
+        self.depth += 1
+        return time.perf_counter()
+
+    def leave(self, t0: float) -> None:
+        self.depth -= 1
+        if self.depth == 0:  # (a collective may dispatch ops inside its wrapper: counted once)
+            self.inside_s += time.perf_counter() - t0
 
     # ---- one step ------------------------------------------------------------------------------
     @contextmanager
     def step_record(self):
         self.step = StepRecord()
         t0 = time.perf_counter()
+        self.host.open_other()
         try:
             yield self.step
         finally:
+            self.host.close_other()
             rec, self.step = self.step, None
             rec.streams = max(len(self.stream_ids) + 1, 1)
             self.before, self.previous = self.previous, rec
@@ -310,6 +342,13 @@ class Recorder:
 
         def make(original):
             def collective(pg, *args, **kwargs):
+                t0 = rec.enter()
+                try:
+                    return launch(original, pg, *args, **kwargs)
+                finally:
+                    rec.leave(t0)
+
+            def launch(original, pg, *args, **kwargs):
                 work = original(pg, *args, **kwargs)
                 if rec.step is not None and kind != "barrier":
                     nbytes = max(_bytes_of(args[0]) if args else 0, _bytes_of(args[1]) if len(args) > 1 else 0)
@@ -326,10 +365,14 @@ class Recorder:
         rec = self
 
         def wait(work, *args, **kwargs):
-            entry = rec.live.pop(id(work), None)
-            if entry is not None:
-                rec.waited(entry)
-            return original(work, *args, **kwargs)
+            t0 = rec.enter()
+            try:
+                entry = rec.live.pop(id(work), None)
+                if entry is not None:
+                    rec.waited(entry)
+                return original(work, *args, **kwargs)
+            finally:
+                rec.leave(t0)
         return wait
 
     def _future(self, original):
@@ -401,6 +444,119 @@ class Recorder:
         self._patch(stream_cls, "record_event", record_event)
         self._patch(stream_cls, "wait_event", wait_event)
         self._patch(stream_cls, "wait_stream", wait_stream)
+
+
+class HostSections:
+    """The host's own Python in the strategy's code, timed in the dry run: a step's ops are priced
+    by their kernels (and a calibrated host time per kernel), but a strategy also runs Python that
+    dispatches little: a hook per gradient that finds its bucket and launches a collective, a step
+    that loops over buckets and parameters, a module pre-hook that gathers and frees a unit. The
+    dry run runs that same Python on this host, so each section's own time is measured there: its
+    wall time less the time inside the recorder's dispatch handler and process-group wrappers (the
+    fake kernels and the recording), less `per_dispatch_s` for each dispatch (what reaching the
+    Python handler costs, measured at install), less the sections inside it. Each becomes an Op
+    "host:<what>" with that time (no kernel) where the section ends. The sections:
+
+    - every hook on the model's parameters and modules when the recorder is installed (the
+      strategy's: zero1/2's post-accumulate-grad hooks, zero3's and FSDP2's pre-forward hooks);
+    - the strategy's backward, less the autograd engine's run (its ops and hooks are their own);
+    - the strategy's step (its Python, the optimizer's, numerics');
+    - "other": the trainer's Python between the phases (the batch, the instruments).
+
+    What no section holds: Python inside the autograd engine other than those hooks (FSDP2's
+    post-backward autograd functions and final callbacks, DDP's comm hook, checkpointing's
+    recomputation), and C++ bookkeeping (DDP's reducer). On a GPU the host is assumed to run ahead
+    of the device: these sections cost nothing there (zerolab.predict.model)."""
+
+    def __init__(self, rec: "Recorder"):
+        self.rec = rec
+        self.stack: list[list] = []  # [what, phase, t0, inside_s, dispatches, seconds of sections inside, emit]
+        self.per_dispatch_s = 0.0
+        self.wrapped: list[tuple] = []  # (hook dict, key, original)
+        self.other = False
+
+    def measure_dispatch(self, n: int = 400) -> None:
+        """What one dispatch costs the host under the dry run's modes outside the handler, beyond what
+        the same call costs a real run (a view of a real tensor, no mode): the dry run's own cost."""
+        from torch.utils._python_dispatch import _disable_current_modes
+
+        rec, x = self.rec, torch.empty(16)
+        t0, inside, count = time.perf_counter(), rec.inside_s, rec.dispatches
+        for _ in range(n):
+            x.view(-1)
+        wall = time.perf_counter() - t0 - (rec.inside_s - inside)
+        with _disable_current_modes():
+            real = torch.empty(16)
+            t0 = time.perf_counter()
+            for _ in range(n):
+                real.view(-1)
+            plain = time.perf_counter() - t0
+        self.per_dispatch_s = max(0.0, (wall - plain) / max(rec.dispatches - count, 1))
+
+    @contextmanager
+    def section(self, what: str, emit: bool = True):
+        self.open(what, emit)
+        try:
+            yield
+        finally:
+            self.close()
+
+    def open(self, what: str, emit: bool = True) -> None:
+        rec = self.rec
+        self.stack.append([what, rec.phase, time.perf_counter(), rec.inside_s, rec.dispatches, 0.0, emit])
+
+    def close(self) -> None:
+        rec = self.rec
+        what, phase, t0, inside, count, nested, emit = self.stack.pop()
+        wall = time.perf_counter() - t0
+        if self.stack:
+            self.stack[-1][5] += wall
+        own = wall - (rec.inside_s - inside) - self.per_dispatch_s * (rec.dispatches - count) - nested
+        if emit and own > 0 and rec.step is not None:
+            rec.step.events.append(Op(f"host:{what}", phase, 0, 0.0, 0, 0, True,
+                                      "", -1, (), own))
+
+    def open_other(self) -> None:
+        if not self.other and not self.stack:
+            self.open("other")
+            self.other = True
+
+    def close_other(self) -> None:
+        if self.other and self.stack and self.stack[-1][0] == "other":
+            self.close()
+        self.other = False
+
+    def engine(self, original):
+        """torch.autograd.backward: the engine's run is not the strategy's (its hooks are timed on their own)."""
+        def backward(*args, **kwargs):
+            with self.section("autograd", emit=False):
+                return original(*args, **kwargs)
+        return backward
+
+    def wrap_hooks(self, model) -> None:
+        hooks = [(p, "_post_accumulate_grad_hooks") for p in model.parameters()]
+        hooks += [(p, "_backward_hooks") for p in model.parameters()]
+        hooks += [(m, name) for m in model.modules() for name in ("_forward_pre_hooks", "_forward_hooks",
+                                                                   "_backward_pre_hooks", "_backward_hooks")]
+        for owner, name in hooks:
+            table = getattr(owner, name, None)
+            for key, fn in list((table or {}).items()):
+                self.wrapped.append((table, key, fn))
+                table[key] = self._timed(fn)
+
+    def unwrap_hooks(self) -> None:
+        for table, key, fn in reversed(self.wrapped):
+            if key in table:
+                table[key] = fn
+        self.wrapped.clear()
+
+    def _timed(self, fn):
+        what = getattr(fn, "__qualname__", type(fn).__name__)
+
+        def hook(*args, **kwargs):
+            with self.section(what):
+                return fn(*args, **kwargs)
+        return hook
 
 
 def record_steps(trainer, first: int) -> tuple[StepRecord, StepRecord]:

@@ -125,32 +125,12 @@ class Network:
 
 
 def _gloo(dev: Device, kind: str, nbytes: int, n: int) -> Priced:
-    """gloo on this host, at the nearest group size measured (every byte stays inside the host):
-    between the sizes the calibration measured, its times interpolated (made non-decreasing in the
-    size: a smaller buffer is never dearer); beyond the largest, that time + the extra bytes at the
-    fitted bandwidth; a calibration without its points: the fitted latency + bytes / bandwidth."""
+    """gloo on this host: the calibrated latency + bytes / bandwidth of `kind` at the nearest group
+    size measured (every byte stays inside the host)."""
     table = dev.gloo.get(kind) or dev.gloo.get("all_reduce")
     if not table:
         raise ConfigError("the cpu calibration has no gloo figures: rerun python -m zerolab.predict calibrate")
     sizes = sorted(int(s) for s in table)
     fit = table[str(min(sizes, key=lambda s: (abs(s - n), s)))]
     sent = FACTOR[kind](n) * nbytes
-    return Priced(gloo_seconds(fit, nbytes), "gloo", sent, 0.0)
-
-
-def gloo_seconds(fit: dict, nbytes: float) -> float:
-    """One calibrated gloo collective of `nbytes` (_gloo's docstring)."""
-    points = sorted(fit.get("points") or [])
-    if not points:
-        return fit["latency_s"] + nbytes / fit["bandwidth"]
-    xs, ys, top = [], [], 0.0
-    for x, y in points:
-        top = max(top, y)
-        xs.append(x)
-        ys.append(top)
-    if nbytes <= xs[0]:
-        return ys[0]
-    if nbytes >= xs[-1]:
-        return ys[-1] + (nbytes - xs[-1]) / fit["bandwidth"]
-    i = next(i for i, x in enumerate(xs) if x >= nbytes)
-    return ys[i - 1] + (ys[i] - ys[i - 1]) * (nbytes - xs[i - 1]) / (xs[i] - xs[i - 1])
+    return Priced(fit["latency_s"] + nbytes / fit["bandwidth"], "gloo", sent, 0.0)
