@@ -149,17 +149,23 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=30, help="trainer.max_steps (the default job's 30: 14 profiled)")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--plot", default="", help="also draw predicted beside measured parts into this PNG")
+    p.add_argument("--keep", default="", help="keep the runs in this directory (default: a temporary one)")
+    p.add_argument("--again", action="store_true",
+                   help="run nothing: predict the runs --keep holds again (after a new calibration)")
     args = p.parse_args()
     header()
     labels = args.strategies.split(",")
     with tempfile.TemporaryDirectory(prefix="zerolab-predict-check-") as d:
-        llama = write_llama(Path(d) / "llama.json")
+        where = Path(args.keep or d)
+        where.mkdir(parents=True, exist_ok=True)
+        llama = write_llama(where / "llama.json")
         jobs = [(m, w, s) for m in args.models.split(",") for w in map(int, args.worlds.split(",")) for s in labels]
         runs: dict = {j: [] for j in jobs}
         for k in range(args.rounds):
             for j in (jobs if k % 2 == 0 else jobs[::-1]):
-                name = f"r{k}-{j[0]}-{j[1]}-{j[2]}"
-                runs[j].append(measured(job(j[0], j[2], llama), j[1], args.steps, Path(d) / name))
+                run_dir = where / f"r{k}-{j[0]}-{j[1]}-{j[2]}"
+                runs[j].append({"run": load_run(run_dir), "load": (float("nan"),) * 2} if args.again else
+                               measured(job(j[0], j[2], llama), j[1], args.steps, run_dir))
         ratios, preds = [], []
         for model, world in dict.fromkeys((m, w) for m, w, _ in jobs):
             rows = {s: row(model, world, s, runs[model, world, s]) for s in labels}

@@ -30,9 +30,9 @@ so each figure is what one rank gets while the others work beside it. Per n:
   (_fit);
 - queued_s (n >= 2): what a collective costs beyond that when it is issued behind others of its
   group, as strategies issue many small ones in a row (torch's ZeroRedundancyOptimizer broadcasts
-  every parameter; a sharder launches a collective per bucket): 16 collectives of 4-64 KiB issued
-  at once and then waited for, per collective, less the same collective alone; the median over the
-  kinds and sizes.
+  every parameter; a sharder launches a collective per bucket): 16 collectives of 64 KiB to 1 MiB
+  issued at once and then waited for, per collective, less the same collective alone; the median
+  over the kinds and sizes.
 
 The result is a JSON file (hardware.calibration_path()); `--hardware cpu` reads it. Nothing in the
 test suite depends on it.
@@ -56,7 +56,7 @@ from zerolab.predict.kernels import measure_table, merge_tables
 SHAPES = [(1024, 384, 384), (1024, 384, 1536), (1024, 1536, 384), (384, 1024, 1536), (2048, 512, 512),
           (512, 256, 1024), (1536, 1024, 384), (1024, 1024, 1024)]
 GLOO_SIZES = [4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 32 << 20]
-QUEUED_SIZES, QUEUED_CALLS = [4 << 10, 16 << 10, 64 << 10], 16  # a strategy's many small collectives in a row
+QUEUED_SIZES, QUEUED_CALLS = [64 << 10, 256 << 10, 1 << 20], 16  # a parameter's or a bucket's size, many in a row
 KINDS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast")
 
 
