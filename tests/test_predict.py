@@ -303,7 +303,7 @@ def test_an_op_of_a_measured_name_costs_its_nearest_measured_rate():
 def test_the_reference_steps_time_the_kernels_of_a_training_step_and_a_sharders_bookkeeping():
     from zerolab.predict.kernels import merge_tables, reference_rows
 
-    rows, wall = reference_rows("gpt", 32, 2, 16)  # (the calibration's shapes are wider: this is its structure)
+    rows, wall = reference_rows("gpt", 32, 2, 16, 16)  # (the calibration's shapes are wider: this is its structure)
     names = {r[0] for r in rows}
     model = {"mm", "addmm", "gelu", "native_layer_norm", "native_layer_norm_backward",
              "_scaled_dot_product_flash_attention_for_cpu", "_fused_adamw_"}

@@ -10,8 +10,8 @@ measured ops nearest to it.
 The reference steps (`reference_rows`) are this module's own, not zerolab's models: a small
 pre-norm transformer (two blocks of causal SDPA attention and an MLP, a final norm, a head,
 cross-entropy, torch's fused AdamW) in two styles, GPT's (LayerNorm, GELU, biases) and Llama's
-(RMSNorm, gated SiLU, no biases), at widths 96-512 and 128-512 tokens a sequence; after each
-backward, what a data-parallel strategy does with the gradients beside the model (`bookkeeping`):
+(RMSNorm, gated SiLU, no biases), at widths 96-512, 128-512 tokens a sequence and head dims 32-128;
+after each backward, what a data-parallel strategy does with the gradients beside the model (`bookkeeping`):
 each gradient copied, averaged, into a flat buffer (a bucket) and a chunk of it summed into a shard,
 the global norm and the clip (zerolab.numerics), flat pieces split and concatenated (FSDP2's
 copies), torch's composed foreach AdamW over the tensors (what an optimizer over DTensors runs),
@@ -37,16 +37,17 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-# (style, width, sequences, tokens a sequence): 2 blocks each, vocabulary 512, head dim 48-64
-SHAPES = (("gpt", 96, 8, 128), ("gpt", 192, 4, 256), ("gpt", 384, 8, 128), ("gpt", 512, 2, 512),
-          ("llama", 160, 4, 256), ("llama", 320, 8, 128))
+# (style, width, sequences, tokens a sequence, head dim): 2 blocks each, vocabulary 512; the head dims
+# 32, 64 and 128 of small and large models (the CPU's flash kernel runs a narrow head slower per FLOP)
+SHAPES = (("gpt", 96, 8, 128, 32), ("gpt", 192, 4, 256, 64), ("gpt", 384, 8, 128, 64), ("gpt", 512, 2, 512, 128),
+          ("llama", 160, 4, 256, 32), ("llama", 320, 8, 128, 64))
 VOCAB, LAYERS, REPEATS, NEAREST = 512, 2, 5, 3
 
 
 class _Block(nn.Module):
-    def __init__(self, d: int, llama: bool):
+    def __init__(self, d: int, head_dim: int, llama: bool):
         super().__init__()
-        self.heads, self.llama = max(2, d // 64), llama
+        self.heads, self.llama = d // head_dim, llama
         self.n1, self.n2 = (nn.RMSNorm(d), nn.RMSNorm(d)) if llama else (nn.LayerNorm(d), nn.LayerNorm(d))
         hidden = 3 * d if llama else 4 * d
         self.qkv, self.proj = nn.Linear(d, 3 * d, bias=not llama), nn.Linear(d, d, bias=not llama)
@@ -69,10 +70,10 @@ class _Block(nn.Module):
 
 
 class _Reference(nn.Module):
-    def __init__(self, d: int, tokens: int, llama: bool):
+    def __init__(self, d: int, tokens: int, head_dim: int, llama: bool):
         super().__init__()
         self.embed, self.position = nn.Embedding(VOCAB, d), nn.Embedding(tokens, d)
-        self.blocks = nn.ModuleList(_Block(d, llama) for _ in range(LAYERS))
+        self.blocks = nn.ModuleList(_Block(d, head_dim, llama) for _ in range(LAYERS))
         self.norm, self.head = (nn.RMSNorm(d) if llama else nn.LayerNorm(d)), nn.Linear(d, VOCAB, bias=False)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
@@ -120,13 +121,13 @@ def _timed(func, args, kwargs, rows: list) -> object:
     return out
 
 
-def reference_rows(style: str, d: int, sequences: int, tokens: int) -> tuple[list, float]:
+def reference_rows(style: str, d: int, sequences: int, tokens: int, head_dim: int) -> tuple[list, float]:
     """One reference step's ops, each (name, FLOPs, bytes, kernels, dims, median seconds over
     REPEATS timed steps), and the step's median wall time untimed."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     torch.manual_seed(0)
-    model = _Reference(d, tokens, style == "llama")
+    model = _Reference(d, tokens, head_dim, style == "llama")
     params = list(model.parameters())
     optimizer = torch.optim.AdamW(params, fused=True)
     n = sum(p.numel() for p in params)
