@@ -62,7 +62,7 @@ def test_a_profiled_run_is_predicted_from_its_own_directory(tmp_path, monkeypatc
 @pytest.mark.slow
 def test_the_default_report_calibrates_a_fresh_machine_once(tmp_path, monkeypatch):
     """`compare`'s default (auto) on a machine without a calibration measures it (the real
-    calibration: 1, 2 and 3 ranks, about a minute), writes it where `--hardware cpu` reads it, says
+    calibration: 1, 2 and 3 ranks, about a minute and a half), writes it where `--hardware cpu` reads it, says
     so in the report, and lays the prediction beside the profiled parts; a second report reuses it."""
     path = tmp_path / "fresh" / "cpu-calibration.json"
     monkeypatch.setenv("ZEROLAB_CPU_CALIBRATION", str(path))

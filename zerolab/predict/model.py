@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass, field
 from zerolab.predict.gpu import KERNELS, kernel_seconds
 from zerolab.predict.hardware import Device
 from zerolab.predict.kernels import table_seconds
-from zerolab.predict.record import Op, StepRecord
+from zerolab.predict.record import HOST, Op, StepRecord
 from zerolab.predict.timeline import replay
 from zerolab.predict.topology import Network
 
@@ -49,7 +49,7 @@ class Prediction:
 
 
 def op_seconds(op: Op, dev: Device) -> float:
-    if op.host_s:  # a host section of the strategy's Python (zerolab.predict.record.HostSections)
+    if op.name.startswith(HOST):  # a host section of the strategy's Python (zerolab.predict.sections)
         return op.host_s if dev.host_sync else 0.0  # on a GPU the host runs ahead of the device
     kinds = None if dev.host_sync else KERNELS.get(dev.name)
     if kinds is not None:

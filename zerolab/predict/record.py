@@ -25,7 +25,9 @@ Where it hooks, and why there:
   CPU, where they do nothing): which stream each op, collective and wait is issued on, and the
   events and stream waits between them, so a GPU's streams can be replayed (zerolab.predict.timeline);
 - phases: a forward pre-hook on the model and wrappers on the strategy's backward and step (as
-  zerolab.profile's Phases): forward, backward, optimizer, and other (the rest of train_step).
+  zerolab.profile's Phases): forward, backward, optimizer, and other (the rest of train_step);
+- the strategy's own Python: its hooks, step and backward, and the trainer's between the phases,
+  timed as host sections (zerolab.predict.sections), each an op without kernels.
 
 Collectives still in flight at the end of a step (zero1/2's all-gathers, waited for in the next
 forward) are waited for in the next step's record as `Wait(carried=True)`, by their index among
@@ -46,9 +48,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from zerolab.models import find_blocks
 from zerolab.predict.ops import cost, gemm_dims, memory_bound, tensor_bytes
+from zerolab.predict.sections import HostSections
+from zerolab.predict.streams import patch_streams
 from zerolab.profile.commwatch import COLLECTIVES
 
 PHASES = ("forward", "backward", "optimizer", "other")
+HOST = "host:"  # the name of a host section's op (zerolab.predict.sections)
 # ProcessGroup method -> the collective's kind (the names the time model prices)
 KINDS = {"allreduce": "all_reduce", "allreduce_coalesced": "all_reduce", "allgather": "all_gather",
          "allgather_coalesced": "all_gather", "allgather_into_tensor_coalesced": "all_gather",
@@ -77,7 +82,7 @@ class Op:
     dtype: str  # the compute dtype of an op with FLOPs ("" for the rest)
     block: int  # the repeated block (zerolab.models.find_blocks) whose module issued it, -1 outside one
     dims: tuple = ()  # a matmul's (batch, m, n, k) (ops.gemm_dims): a GPU's rate depends on its shape
-    host_s: float = 0.0  # a host section (name "host:..."): the Python it ran, timed in the dry run (no kernel)
+    host_s: float = 0.0  # a host section (name HOST + what): the Python it ran, timed in the dry run (no kernel)
 
 
 @dataclass(slots=True)
@@ -178,7 +183,7 @@ class Recorder:
             if "wait" in vars(cls):
                 self._patch(cls, "wait", self._waiter)
         self._patch(Work, "get_future", self._future)
-        self._patch_streams()
+        patch_streams(self)
         self.host.wrap_hooks(self.model)  # before the recorder's own hooks below: those are not the program's
         self.hooks = [self.model.register_forward_pre_hook(self._forward, prepend=True), *self._block_hooks()]
         self._wrap_strategy()
@@ -254,6 +259,11 @@ class Recorder:
         if not self.in_backward:  # (a checkpointed block's recomputation runs inside backward)
             self.host.close_other()
             self.phase = "forward"
+
+    def host_op(self, what: str, phase: str, seconds: float) -> None:
+        """A host section's time as an op without kernels (zerolab.predict.sections)."""
+        if self.step is not None:
+            self.step.events.append(Op(f"{HOST}{what}", phase, 0, 0.0, 0, 0, True, "", -1, (), seconds))
 
     def enter(self) -> float:
         """The dispatcher's handler or a process group's wrapper starts: time not the program's own."""
@@ -385,178 +395,10 @@ class Recorder:
             return original(work)
         return get_future
 
-    # ---- streams (torch.cpu's stand-ins for a device's) -----------------------------------------
-    def _patch_streams(self) -> None:
-        rec = self
-        stream_cls, event_cls = torch.cpu.Stream, torch.cpu.Event
-
-        def sync(what: str, stream: int, target: int, carried: bool = False) -> None:
-            if rec.step is not None:
-                rec.step.events.append(Sync(what, stream, target, carried))
-
-        def waited_event(stream, event) -> None:
-            entry = rec.event_ids.get(id(event))
-            if entry is not None and rec.step is not None and entry[1] in (rec.step, rec.previous):
-                sync("wait_event", stream, entry[2], entry[1] is not rec.step)
-
-        def stream_id(s) -> int:
-            if s is None or s is torch.cpu._default_cpu_stream:
-                return 0
-            return rec.stream_ids.setdefault(id(s), len(rec.stream_ids) + 1)
-
-        def event_record(original):
-            def record(event, stream=None):
-                # each record is a new point in time, numbered in its step; the object is kept (its id is not reused)
-                if rec.step is not None:
-                    rec.step.events_recorded += 1
-                    rec.event_ids[id(event)] = (event, rec.step, rec.step.events_recorded)
-                    sync("record", stream_id(stream) if stream is not None else rec._stream(), rec.step.events_recorded)
-                return original(event, stream)
-            return record
-
-        def record_event(original):
-            def make_event(stream):
-                event = event_cls()
-                event.record(stream)
-                return event
-            return make_event
-
-        def wait_event(original):
-            def wait(stream, event):
-                waited_event(stream_id(stream), event)
-                return original(stream, event)
-            return wait
-
-        def event_wait(original):
-            def wait(event, stream=None):
-                waited_event(stream_id(stream) if stream is not None else rec._stream(), event)
-                return original(event, stream)
-            return wait
-
-        def wait_stream(original):
-            def wait(stream, other):
-                sync("wait_stream", stream_id(stream), stream_id(other))
-                return original(stream, other)
-            return wait
-
-        self._patch(event_cls, "record", event_record)
-        self._patch(event_cls, "wait", event_wait)
-        self._patch(stream_cls, "record_event", record_event)
-        self._patch(stream_cls, "wait_event", wait_event)
-        self._patch(stream_cls, "wait_stream", wait_stream)
-
-
-class HostSections:
-    """The host's own Python in the strategy's code, timed in the dry run: a step's ops are priced
-    by their kernels (and a calibrated host time per kernel), but a strategy also runs Python that
-    dispatches little: a hook per gradient that finds its bucket and launches a collective, a step
-    that loops over buckets and parameters, a module pre-hook that gathers and frees a unit. The
-    dry run runs that same Python on this host, so each section's own time is measured there: its
-    wall time less the time inside the recorder's dispatch handler and process-group wrappers (the
-    fake kernels and the recording), less `per_dispatch_s` for each dispatch (what reaching the
-    Python handler costs, measured at install), less the sections inside it. Each becomes an Op
-    "host:<what>" with that time (no kernel) where the section ends. The sections:
-
-    - every hook on the model's parameters and modules when the recorder is installed (the
-      strategy's: zero1/2's post-accumulate-grad hooks, zero3's and FSDP2's pre-forward hooks);
-    - the strategy's backward, less the autograd engine's run (its ops and hooks are their own);
-    - the strategy's step (its Python, the optimizer's, numerics');
-    - "other": the trainer's Python between the phases (the batch, the instruments).
-
-    What no section holds: Python inside the autograd engine other than those hooks (FSDP2's
-    post-backward autograd functions and final callbacks, DDP's comm hook, checkpointing's
-    recomputation), and C++ bookkeeping (DDP's reducer). On a GPU the host is assumed to run ahead
-    of the device: these sections cost nothing there (zerolab.predict.model)."""
-
-    def __init__(self, rec: "Recorder"):
-        self.rec = rec
-        self.stack: list[list] = []  # [what, phase, t0, inside_s, dispatches, seconds of sections inside, emit]
-        self.per_dispatch_s = 0.0
-        self.wrapped: list[tuple] = []  # (hook dict, key, original)
-        self.other = False
-
-    def measure_dispatch(self, n: int = 400) -> None:
-        """What one dispatch costs the host under the dry run's modes outside the handler, beyond what
-        the same call costs a real run (a view of a real tensor, no mode): the dry run's own cost."""
-        from torch.utils._python_dispatch import _disable_current_modes
-
-        rec, x = self.rec, torch.empty(16)
-        t0, inside, count = time.perf_counter(), rec.inside_s, rec.dispatches
-        for _ in range(n):
-            x.view(-1)
-        wall = time.perf_counter() - t0 - (rec.inside_s - inside)
-        with _disable_current_modes():
-            real = torch.empty(16)
-            t0 = time.perf_counter()
-            for _ in range(n):
-                real.view(-1)
-            plain = time.perf_counter() - t0
-        self.per_dispatch_s = max(0.0, (wall - plain) / max(rec.dispatches - count, 1))
-
-    @contextmanager
-    def section(self, what: str, emit: bool = True):
-        self.open(what, emit)
-        try:
-            yield
-        finally:
-            self.close()
-
-    def open(self, what: str, emit: bool = True) -> None:
-        rec = self.rec
-        self.stack.append([what, rec.phase, time.perf_counter(), rec.inside_s, rec.dispatches, 0.0, emit])
-
-    def close(self) -> None:
-        rec = self.rec
-        what, phase, t0, inside, count, nested, emit = self.stack.pop()
-        wall = time.perf_counter() - t0
-        if self.stack:
-            self.stack[-1][5] += wall
-        own = wall - (rec.inside_s - inside) - self.per_dispatch_s * (rec.dispatches - count) - nested
-        if emit and own > 0 and rec.step is not None:
-            rec.step.events.append(Op(f"host:{what}", phase, 0, 0.0, 0, 0, True,
-                                      "", -1, (), own))
-
-    def open_other(self) -> None:
-        if not self.other and not self.stack:
-            self.open("other")
-            self.other = True
-
-    def close_other(self) -> None:
-        if self.other and self.stack and self.stack[-1][0] == "other":
-            self.close()
-        self.other = False
-
-    def engine(self, original):
-        """torch.autograd.backward: the engine's run is not the strategy's (its hooks are timed on their own)."""
-        def backward(*args, **kwargs):
-            with self.section("autograd", emit=False):
-                return original(*args, **kwargs)
-        return backward
-
-    def wrap_hooks(self, model) -> None:
-        hooks = [(p, "_post_accumulate_grad_hooks") for p in model.parameters()]
-        hooks += [(p, "_backward_hooks") for p in model.parameters()]
-        hooks += [(m, name) for m in model.modules() for name in ("_forward_pre_hooks", "_forward_hooks",
-                                                                   "_backward_pre_hooks", "_backward_hooks")]
-        for owner, name in hooks:
-            table = getattr(owner, name, None)
-            for key, fn in list((table or {}).items()):
-                self.wrapped.append((table, key, fn))
-                table[key] = self._timed(fn)
-
-    def unwrap_hooks(self) -> None:
-        for table, key, fn in reversed(self.wrapped):
-            if key in table:
-                table[key] = fn
-        self.wrapped.clear()
-
-    def _timed(self, fn):
-        what = getattr(fn, "__qualname__", type(fn).__name__)
-
-        def hook(*args, **kwargs):
-            with self.section(what):
-                return fn(*args, **kwargs)
-        return hook
+    # ---- streams (torch.cpu's stand-ins for a device's: zerolab.predict.streams) -------------------
+    def sync(self, what: str, stream: int, target: int, carried: bool = False) -> None:
+        if self.step is not None:
+            self.step.events.append(Sync(what, stream, target, carried))
 
 
 def record_steps(trainer, first: int) -> tuple[StepRecord, StepRecord]:

@@ -176,8 +176,8 @@ def cli_main(argv: list[str]) -> int:
     p.add_argument("--predict", default="auto", choices=CHOICES,
                    help="the time model's prediction beside each profiled run (docs/predict.md): auto (default: "
                         "on this machine's calibration, measured first, once, where there is none: python -m "
-                        "zerolab.predict calibrate, about a minute), calibrated (only where one exists), cpu "
-                        "(refused without one), none")
+                        "zerolab.predict calibrate, about a minute and a half), calibrated (only where one "
+                        "exists), cpu (refused without one), none")
     p.add_argument("--fail-on-mismatch", action="store_true", help="exit 1 when a parity check fails")
     args = p.parse_args(argv)
     try:
