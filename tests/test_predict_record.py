@@ -3,6 +3,7 @@ sees each strategy's own collectives, where they are issued and waited for, and 
 FLOPs; the volumes it records are the ZeRO paper's; the dry-run and plan CLIs carry the prediction."""
 from __future__ import annotations
 
+import functools
 import json
 import logging
 
@@ -19,6 +20,7 @@ from zerolab.rehearsal import cli_main, rehearse
 TINY = ["model=gpt_tiny", "data.micro_batch=2", "optim=adamw"]
 
 
+@functools.lru_cache(maxsize=None)  # a rehearsal is read, never changed: the tests that ask for the same one share it
 def recorded(strategy: str, world: int = 4, precision: str = "fp32", *extra: str):
     r = rehearse([*TINY, f"strategy={strategy}", f"precision={precision}", *extra], world=world, record=True)
     assert r.record is not None and r.previous is not None
