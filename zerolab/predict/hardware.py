@@ -46,6 +46,9 @@ class Device:
     kernel_bandwidth: dict = field(default_factory=dict)  # cpu: op name -> measured bytes/s where it is not memory's
     meeting_s: float = 0.0  # cpu: what a collective adds because the ranks must meet for it (calibrate.meeting_cost)
     overlap_rate: float = 1.0  # cpu: the speed of compute and of a collective while both run (overlap_rate())
+    queued_s: float = 0.0  # cpu: what a collective adds behind others in flight (calibrate.queued_cost)
+    kernel_table: dict = field(default_factory=dict)  # cpu: op name -> its measured ops (zerolab.predict.kernels)
+    host_s_per_kernel: float = 0.0  # cpu: host time beyond the measured ops, per kernel (kernels.measure_table)
 
     def peak(self, dtype: str) -> float:
         return self.flops.get(dtype) or self.flops["fp32"]
@@ -136,7 +139,8 @@ def cpu_device(ranks: int, path: str = "") -> Device:
                   kernel_flops={name: c["attention_fp32"] for name in ATTENTION_KERNELS},
                   kernel_bandwidth={name: c["fused_adamw_bandwidth"] for name in FUSED_ADAM_KERNELS
                                     if "fused_adamw_bandwidth" in c},  # (an older calibration file lacks it)
-                  meeting_s=c.get("meeting_s", 0.0),
+                  meeting_s=c.get("meeting_s", 0.0), queued_s=c.get("queued_s", 0.0), kernel_table=c.get("kernels", {}),
+                  host_s_per_kernel=c.get("host_s_per_kernel", 0.0),  # (an older calibration file lacks both)
                   overlap_rate=overlap_rate(int(cal.get("cores") or os.cpu_count() or 1), ranks))
 
 
