@@ -1,26 +1,27 @@
 """The time model against real runs on this machine (docs/predict.md, bench/RESULTS.md).
 
   flock /tmp/zerolab-heavy.lock env OMP_NUM_THREADS=1 .venv/bin/python bench/predict_check.py \
-      [--models gpt_small,llama] [--worlds 2,3] [--strategies ddp,zero1,zero2,zero3,fsdp] [--steps 21]
+      [--models gpt_mid,gpt_small,llama] [--worlds 2,3] [--strategies ddp,...,zero3+offload+p] [--rounds 2]
 
 Needs this machine's figures first (python -m zerolab.predict calibrate; the table prints the
-calibration's date and load). For every model x world x strategy: the real job (torchrun, gloo,
-fp32, AdamW, synthetic tokens) with every second step profiled from step 4 on and nothing else
-logged, so each profiled step follows a step that was not logged, as in a long run; --rounds runs
-of each job, the rounds in alternating order. Then each job predicted from its first round's
-directory as `python -m zerolab compare` predicts it (zerolab.rehearsal.predict_run: the run's own
-config, rank 0 rehearsed and recorded, priced on `--hardware cpu`); --plot draws them
-(zerolab.predict.runs.plot_comparison). Measured: the p50 of the profiled steps'
-step_time_s of all rounds pooled, with a 95 % interval from a bootstrap over rounds and then steps
-(zerolab.report.intervals), so it holds what moves between runs of the same job (fsdp's p50 moved by
-17 % between two runs an hour apart on 2026-12-03) and not only between steps; the parts are the
-mean of the rounds' (summary.json's time_per_rank, averaged over the ranks). Printed: predicted,
-measured with its interval, their ratio, and per (model, world) whether the predicted order of each pair of
-strategies agrees with the measured one where the measured difference is outside its interval
-(the same bootstrap over rounds and steps of both jobs: the ratio's interval excludes 1).
-Models: gpt_small (10.8M parameters, 8 x 128 tokens per rank) and a Llama from transformers
-written here (bench/models.py's: hidden 384, 6 layers, grouped-query attention, 8.95M parameters,
-4 x 128 tokens per rank).
+calibration's date and load). The default is the default job's (experiment=compare: gpt_mid, 8 x
+128 tokens per rank, 2 ranks, fp32 AdamW, steps 4, 6, ... profiled, each after a step neither
+logged nor profiled) under every strategy it predicts and the offload rows (`zero2+offload`:
+strategy.offload_optimizer=true; `+offload+p`: parameters too, as the report and the planner
+label them); --models adds gpt_small (10.8M parameters) and a Llama from transformers written
+here (hidden 384, 6 layers, grouped-query attention, 8.95M parameters, 4 x 128 tokens per rank,
+synthetic tokens), --worlds 3 ranks. Every job runs --rounds times, the rounds in alternating
+order.
+
+Measured, as `python -m zerolab compare` measures it (zerolab.report.runs.breakdown): the median
+of each part and of the step over the profiled steps and ranks of every round, with a 95 %
+interval from a bootstrap over the rounds, then their steps, so it holds what moves between runs
+of the same job, not only between steps. Predicted, as the report predicts it
+(zerolab.rehearsal.predict_run: the first round's config, rank 0 rehearsed and recorded, priced on
+`--hardware cpu`). Printed per job: both, the ratio with the measurement's interval, the parts,
+each round's median, the load average around each run; per (model, world), whether the predicted
+order of each pair of strategies agrees with the measured one where the measured difference is
+outside its interval; and how many ratios lie within 0.90-1.10 and within 0.80-1.20.
 """
 from __future__ import annotations
 
@@ -28,7 +29,6 @@ import argparse
 import datetime
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -39,11 +39,15 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from zerolab.predict.hardware import calibration_path  # noqa: E402
+from zerolab.predict.host import split_label  # noqa: E402
 from zerolab.predict.runs import plot_comparison  # noqa: E402
-from zerolab.report.intervals import bootstrap_ratio, median_interval  # noqa: E402
-from zerolab.run.metrics import read_jsonl  # noqa: E402
+from zerolab.report.intervals import bootstrap_ratio  # noqa: E402
+from zerolab.report.predicted import measured_parts  # noqa: E402
+from zerolab.report.runs import breakdown, load_run  # noqa: E402
 
 PARTS = ("compute", "optimizer", "comm_exposed", "other")
+STRATEGIES = ("ddp,zero1,zero2,zero3,fsdp,torch_zero,zero1+offload,zero2+offload,zero3+offload,zero3+offload+p,"
+              "fsdp+offload+p")
 
 
 def write_llama(path: Path) -> Path:
@@ -55,39 +59,56 @@ def write_llama(path: Path) -> Path:
     return path
 
 
-def job(model: str, strategy: str, llama: Path) -> list[str]:
-    shape = (["model=gpt_small", "data.micro_batch=8"] if model == "gpt_small" else
-             ["model=hf", f"model.config={llama}", "model.block_size=128", "data.micro_batch=4"])
-    return ["data=synthetic", *shape, f"strategy={strategy}", "precision=fp32", "optim=adamw"]
-
-
-def predicted(run_dir: Path, label: str) -> dict:
-    """The prediction for a finished run, from its directory (python -m zerolab compare's)."""
-    from zerolab.rehearsal import predict_run
-
-    got = predict_run(str(run_dir), "cpu")
-    return {**got, "label": label, "step_s": got["parts"]["step"]["predicted"],
-            **{p: got["parts"][p]["predicted"] for p in PARTS}}
+def job(model: str, label: str, llama: Path) -> list[str]:
+    """train.py's overrides: the default job's settings (experiment=compare), its model or another."""
+    strategy, settings = split_label(label)
+    shape = {"gpt_mid": [],
+             "gpt_small": ["model=gpt_small", "data=synthetic", "data.micro_batch=8"],
+             "llama": ["model=hf", f"model.config={llama}", "model.block_size=128", "data=synthetic",
+                       "data.micro_batch=4"]}[model]
+    return ["experiment=compare", *shape, f"strategy={strategy}", *(f"strategy.{k}=true" for k in settings),
+            "precision=fp32", "optim=adamw"]
 
 
 def measured(overrides: list[str], world: int, steps: int, run_dir: Path) -> dict:
-    profiled = list(range(4, steps, 2))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
-           str(ROOT / "train.py"), *overrides, f"trainer.max_steps={steps}",
-           f"profile.steps=[{','.join(map(str, profiled))}]", f"trainer.log_every={10 * steps}",
-           "trainer.eval_every=0", "trainer.eval_batches=1", "run.save_model=false",
-           "logging.wandb.mode=disabled", "logging.progress=false", f"run.dir={run_dir}"]
+           str(ROOT / "train.py"), *overrides, f"trainer.max_steps={steps}", "run.save_model=false",
+           "logging.wandb.mode=disabled", f"run.dir={run_dir}"]
     before = os.getloadavg()[0]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True,
                           env=dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1"))
     if proc.returncode:
         sys.exit(f"failed ({proc.returncode}): {' '.join(cmd)}\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
-    times = [m["step_time_s"] for m in read_jsonl(str(run_dir / "metrics.jsonl"))
-             if m.get("step") in profiled and "step_time_s" in m]
-    ranks = json.loads((run_dir / "summary.json").read_text())["time_per_rank"]
-    parts = {p: statistics.mean(r[f"time/{p}_s"] for r in ranks) for p in PARTS}
-    return {"times": times, "step_s": statistics.median(times), **parts, "load": (before, os.getloadavg()[0]),
-            "run_dir": run_dir}
+    return {"run": load_run(run_dir), "load": (before, os.getloadavg()[0])}
+
+
+def row(model: str, world: int, label: str, runs: list[dict]) -> dict:
+    """Measured as the report measures it (all rounds pooled), predicted from the first round's run."""
+    from zerolab.rehearsal import predict_run
+
+    b = breakdown([m["run"] for m in runs])
+    pred = predict_run(str(runs[0]["run"].path), "cpu", measured=measured_parts(b))
+    step = pred["parts"]["step"]
+    rounds = [breakdown([m["run"]])["step_s"] for m in runs]
+    ms = lambda values: " / ".join(f"{v * 1e3:.1f}" for v in values)
+    print(f"| {model} | {world} | {label} | {step['predicted'] * 1e3:.1f} | {step['measured'] * 1e3:.1f} "
+          f"[{step['lo'] * 1e3:.1f}, {step['hi'] * 1e3:.1f}] | {step['ratio']:.3f} [{step['ratio_lo']:.3f}, "
+          f"{step['ratio_hi']:.3f}] | {ms(pred['parts'][k]['predicted'] for k in PARTS)} | "
+          f"{ms(pred['parts'][k]['measured'] for k in PARTS)} | {ms(rounds)} | "
+          f"{min(m['load'][0] for m in runs):.2f}-{max(m['load'][1] for m in runs):.2f} |", flush=True)
+    steps = [[row["step_s"] for row in rnd] for rnd in _rounds(runs)]
+    return {"predicted": pred, "rounds": steps, "ratio": step["ratio"], "label": f"{model} {world} {label}"}
+
+
+def _rounds(runs: list[dict]) -> list[list[dict]]:
+    """Each round's profiled steps, every rank's (zerolab.report.runs.profiled_samples, pooled over ranks)."""
+    from zerolab.report.runs import profiled_samples
+
+    out = []
+    for m in runs:
+        by_rank = profiled_samples([m["run"]])
+        out.append([row for r in sorted(by_rank) for row in by_rank[r][0]])
+    return out
 
 
 def order_check(rows: dict) -> list[str]:
@@ -97,10 +118,10 @@ def order_check(rows: dict) -> list[str]:
         ratio = bootstrap_ratio(rows[a]["rounds"], rows[b]["rounds"])
         if ratio["verdict"] == "within noise":
             continue
-        same = (rows[a]["predicted"]["step_s"] > rows[b]["predicted"]["step_s"]) == (ratio["ratio"] > 1)
+        pa, pb = (rows[k]["predicted"]["parts"]["step"]["predicted"] for k in (a, b))
+        same = (pa > pb) == (ratio["ratio"] > 1)
         out.append(f"{a} / {b}: measured {ratio['ratio']:.3f} [{ratio['lo']:.3f}, {ratio['hi']:.3f}], predicted "
-                   f"{rows[a]['predicted']['step_s'] / rows[b]['predicted']['step_s']:.3f}: "
-                   f"{'agrees' if same else 'DISAGREES'}")
+                   f"{pa / pb:.3f}: {'agrees' if same else 'DISAGREES'}")
     return out
 
 
@@ -114,59 +135,49 @@ def header() -> None:
           f"{os.cpu_count()} cores, OMP_NUM_THREADS=1, gloo, fp32, AdamW; calibration {calibration_path()} of "
           f"{cal['date']} (load average {cal['load_average_before']:.2f} -> {cal['load_average_after']:.2f}); "
           f"load average now {os.getloadavg()[0]:.2f}", flush=True)
-    print("| model | world | strategy | predicted ms | measured p50 ms [95 %] | predicted / measured | "
-          "predicted parts (compute / optimizer / exposed / other) ms | measured parts ms | p50 ms of each round | "
-          "load averages |")
+    print("| model | world | strategy | predicted ms | measured median ms [95 %] | predicted ÷ measured [95 %] | "
+          "predicted parts (compute / optimizer / exposed / other) ms | measured parts (medians) ms | "
+          "median ms of each round | load averages |")
     print("|---|---:|---|---:|---:|---:|---|---|---|---|", flush=True)
-
-
-def row(model: str, world: int, strategy: str, pred: dict, runs: list[dict]) -> dict:
-    """Measured: the p50 of every round's profiled steps pooled, its interval from the bootstrap over
-    rounds, then steps (zerolab.report.intervals), so it holds the spread between runs as well as
-    between steps; the parts are the mean over the rounds."""
-    rounds = [m["times"] for m in runs]
-    p50 = statistics.median([t for r in rounds for t in r])
-    lo, hi = median_interval(rounds)
-    parts = {k: statistics.mean(m[k] for m in runs) for k in PARTS}
-    ms = lambda values: " / ".join(f"{v * 1e3:.0f}" for v in values)
-    print(f"| {model} | {world} | {strategy} | {pred['step_s'] * 1e3:.0f} | {p50 * 1e3:.0f} "
-          f"[{lo * 1e3:.0f}, {hi * 1e3:.0f}] | {pred['step_s'] / p50:.3f} | {ms(pred[k] for k in PARTS)} | "
-          f"{ms(parts[k] for k in PARTS)} | {ms(m['step_s'] for m in runs)} | "
-          f"{min(m['load'][0] for m in runs):.2f}-{max(m['load'][1] for m in runs):.2f} |", flush=True)
-    return {"predicted": pred, "rounds": rounds, "ratio": pred["step_s"] / p50}
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--models", default="gpt_small,llama")
-    p.add_argument("--worlds", default="2,3")
-    p.add_argument("--strategies", default="ddp,zero1,zero2,zero3,fsdp")
-    p.add_argument("--steps", type=int, default=21)
-    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--models", default="gpt_mid", help="gpt_mid (the default job's), gpt_small, llama")
+    p.add_argument("--worlds", default="2")
+    p.add_argument("--strategies", default=STRATEGIES, help="labels as the report's: zero2+offload, zero3+offload+p")
+    p.add_argument("--steps", type=int, default=30, help="trainer.max_steps (the default job's 30: 14 profiled)")
+    p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--plot", default="", help="also draw predicted beside measured parts into this PNG")
+    p.add_argument("--keep", default="", help="keep the runs in this directory (default: a temporary one)")
+    p.add_argument("--again", action="store_true",
+                   help="run nothing: predict the runs --keep holds again (after a new calibration)")
     args = p.parse_args()
     header()
+    labels = args.strategies.split(",")
     with tempfile.TemporaryDirectory(prefix="zerolab-predict-check-") as d:
-        llama = write_llama(Path(d) / "llama.json")
-        jobs = [(m, w, s) for m in args.models.split(",") for w in map(int, args.worlds.split(","))
-                for s in args.strategies.split(",")]
+        where = Path(args.keep or d)
+        where.mkdir(parents=True, exist_ok=True)
+        llama = write_llama(where / "llama.json")
+        jobs = [(m, w, s) for m in args.models.split(",") for w in map(int, args.worlds.split(",")) for s in labels]
         runs: dict = {j: [] for j in jobs}
         for k in range(args.rounds):
             for j in (jobs if k % 2 == 0 else jobs[::-1]):
-                name = f"r{k}-{j[0]}-{j[1]}-{j[2]}"
-                runs[j].append(measured(job(j[0], j[2], llama), j[1], args.steps, Path(d) / name))
-        summary: list = []
-        preds = {j: predicted(runs[j][0]["run_dir"], f"{j[0]} {j[1]} {j[2]}") for j in jobs}
+                run_dir = where / f"r{k}-{j[0]}-{j[1]}-{j[2]}"
+                runs[j].append({"run": load_run(run_dir), "load": (float("nan"),) * 2} if args.again else
+                               measured(job(j[0], j[2], llama), j[1], args.steps, run_dir))
+        ratios, preds = [], []
         for model, world in dict.fromkeys((m, w) for m, w, _ in jobs):
-            rows = {s: row(model, world, s, preds[model, world, s], runs[model, world, s])
-                    for s in args.strategies.split(",")}
+            rows = {s: row(model, world, s, runs[model, world, s]) for s in labels}
             for line in order_check(rows):
                 print(f"  order, {model} at {world}: {line}", flush=True)
-            summary.extend(r["ratio"] for r in rows.values())
-        print(f"predicted / measured p50: {sum(0.8 <= x <= 1.2 for x in summary)} of {len(summary)} within 20 %, "
-              f"range {min(summary):.3f}-{max(summary):.3f}")
+            ratios.extend(r["ratio"] for r in rows.values())
+            preds.extend({**r["predicted"], "label": r["label"]} for r in rows.values())
+        print(f"predicted ÷ measured median: {sum(0.9 <= x <= 1.1 for x in ratios)} of {len(ratios)} within "
+              f"0.90-1.10, {sum(0.8 <= x <= 1.2 for x in ratios)} within 0.80-1.20, range "
+              f"{min(ratios):.3f}-{max(ratios):.3f}; load average now {os.getloadavg()[0]:.2f}")
         if args.plot:
-            print(f"plot: {plot_comparison([preds[j] for j in jobs], args.plot)}")
+            print(f"plot: {plot_comparison(preds, args.plot)}")
 
 
 if __name__ == "__main__":

@@ -49,8 +49,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank_main(rank: int, world: int, port: int, env: dict, overrides: list[str], log: str) -> None:
-    """One rank: the launcher's variables, output to its log file, then what train.py runs."""
+def _rank_main(rank: int, world: int, port: int, env: dict, overrides: list[str], log: str,
+               target: str | None = None) -> None:
+    """One rank: the launcher's variables, output to its log file, then what train.py runs (or
+    `target`, "module:function", called with `overrides`)."""
     fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
@@ -70,7 +72,13 @@ def _rank_main(rank: int, world: int, port: int, env: dict, overrides: list[str]
 
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
     try:
-        run(compose(overrides))
+        if target is None:
+            run(compose(overrides))
+        else:
+            import importlib
+
+            module, function = target.split(":")
+            getattr(importlib.import_module(module), function)(overrides)
     except (ConfigError, ZerolabError) as err:
         sys.stdout.flush()
         os._exit(report(err, quiet=getattr(err, "reported", False)))
@@ -83,15 +91,27 @@ def train(run_dir: Path, nproc: int, *overrides: str, check: bool = True, env: d
           timeout: float = 300) -> list[int]:
     """Run train.py's job with `nproc` ranks into run_dir; returns the ranks' exit codes. With
     `check`, a rank that fails fails the test with every rank's output."""
+    args = [f"run.dir={run_dir}", "logging.wandb.mode=disabled", "logging.progress=false", *overrides]
+    return _launch(Path(run_dir), nproc, args, check=check, env=env, timeout=timeout)
+
+
+def call(log_dir: Path, nproc: int, target: str, *args: str, timeout: float = 300) -> list[int]:
+    """`target` ("module:function", importable from tests/) called with the list `args` on each of
+    `nproc` real gloo ranks forked as train() forks them (the launcher's variables set, the
+    process group not yet made): for tests that drive the Trainer themselves, several runs in one
+    launch. The ranks' output goes to <log_dir>.rank<r>.log; a rank that fails fails the test."""
+    return _launch(Path(log_dir), nproc, list(args), check=True, env=None, timeout=timeout, target=target)
+
+
+def _launch(run_dir: Path, nproc: int, args: list[str], *, check: bool, env: dict | None, timeout: float,
+            target: str | None = None) -> list[int]:
     from conftest import base_env
 
-    run_dir = Path(run_dir)
     run_dir.parent.mkdir(parents=True, exist_ok=True)
     job_env = {k: v for k, v in base_env(**(env or {})).items() if k not in os.environ or os.environ[k] != v}
-    args = [f"run.dir={run_dir}", "logging.wandb.mode=disabled", "logging.progress=false", *overrides]
     logs = [str(run_dir.parent / f"{run_dir.name}.rank{r}.log") for r in range(nproc)]
     port, ctx = _free_port(), _ctx()
-    procs = [ctx.Process(target=_rank_main, args=(r, nproc, port, job_env, args, logs[r]), daemon=True)
+    procs = [ctx.Process(target=_rank_main, args=(r, nproc, port, job_env, args, logs[r], target), daemon=True)
              for r in range(nproc)]
     for p in procs:
         p.start()

@@ -18,6 +18,7 @@ import torch
 from safetensors import safe_open
 
 from conftest import ROOT, TORCHRUN, load_weights, rank_log, read_metrics, run_process, run_ranks, base_env
+from zerolab.checkpoint.format import FORMAT_VERSION
 
 pytestmark = pytest.mark.slow  # every test here starts processes (see conftest: tiers)
 
@@ -82,7 +83,7 @@ def test_buffers_resume_bitwise(tmp_path, module_dir, strategy):
     run_ranks(a, 2, *common, f"checkpoint.every={K}", env=env)
     ckpt = a / "checkpoints" / f"step_{K:08d}"
     meta = json.loads((ckpt / "meta.json").read_text())
-    assert meta["format_version"] == 4 and set(meta["buffers"]) == BUFFERS == set(meta["buffer_shapes"])
+    assert meta["format_version"] == FORMAT_VERSION and set(meta["buffers"]) == BUFFERS == set(meta["buffer_shapes"])
     r0, r1 = saved_buffers(ckpt, 0), saved_buffers(ckpt, 1)
     assert set(r0) == set(r1) == BUFFERS
     assert int(r0["blocks.0.norm.num_batches_tracked"]) == K  # one forward per step (no accumulation)

@@ -51,23 +51,27 @@ def _rewrite_meta(ckpt: Path) -> None:
     (ckpt / "meta.json").write_text(_meta_text(meta))
 
 
-@pytest.fixture(scope="module")
-def ds_run(tmp_path_factory, deepspeed_ops):
-    run = tmp_path_factory.mktemp("ds")
-    run_train(run, 2, *TINY, *DS, "trainer.max_steps=2", "checkpoint.every=1")
-    return run
+@pytest.fixture
+def ds_native(tmp_path, deepspeed_ops):
+    """A checkpoints directory holding a DeepSpeed checkpoint in DeepSpeed's own format, as zerolab
+    wrote them before format version 5 (tests/data, from 7881427: test_resume_strategies.NATIVE):
+    the only checkpoints with torch.save files zerolab still reads."""
+    from test_resume_strategies import native_checkpoint
+
+    return native_checkpoint(tmp_path).parent
 
 
-def test_deepspeed_pickle_payload_never_runs(tmp_path, ds_run):
+def test_deepspeed_pickle_payload_never_runs(tmp_path, ds_native):
+    from test_resume_strategies import NATIVE_RUN
+
     from zerolab.checkpoint import CheckpointError, safe_torch_load, verify
 
     marker = tmp_path / "pwned"
     evil = tmp_path / "evil.pt"
     torch.save({"optimizer_state_dict": {}, "payload": _Evil(marker)}, evil)
-    ck = tmp_path / "checkpoints"
-    shutil.copytree(ds_run / "checkpoints", ck)
+    ck = ds_native
     steps = sorted(p for p in ck.iterdir() if p.name.startswith("step_"))
-    assert len(steps) == 2
+    assert len(steps) == 1
 
     # One file at a time: verify() names exactly that file and the global, before anything loads it.
     clean = tmp_path / "clean"
@@ -82,14 +86,14 @@ def test_deepspeed_pickle_payload_never_runs(tmp_path, ds_run):
         with pytest.raises(CheckpointError, match=rf"{victim / fname}: refused, its pickle names posix.system"):
             verify(str(victim))
 
-    # Every torch.save file of both checkpoints planted: resume, export and import all refuse.
+    # Every torch.save file of the checkpoint planted: resume, export and import all refuse.
     for step in steps:
         for fname in json.loads((step / "meta.json").read_text())["files"]:
             if fname.endswith(".pt"):
                 shutil.copy(evil, step / fname)
         _rewrite_meta(step)
-    proc = run_train(tmp_path / "resumed", 2, *TINY, *DS, "trainer.max_steps=3", f"checkpoint.dir={ck}",
-                     "checkpoint.resume=auto", check=False)
+    proc = run_train(tmp_path / "resumed", 2, *NATIVE_RUN, f"checkpoint.dir={ck}", "checkpoint.resume=auto",
+                     check=False)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 1, out[-4000:]  # a CheckpointError: exit 1
     assert f"{steps[-1]}/deepspeed/mp_rank_00_model_states.pt: refused, its pickle names posix.system" in out
@@ -105,12 +109,11 @@ def test_deepspeed_pickle_payload_never_runs(tmp_path, ds_run):
     assert not marker.exists(), "the payload ran"
 
 
-def test_unrecorded_deepspeed_file_is_refused(tmp_path, ds_run):
+def test_unrecorded_deepspeed_file_is_refused(ds_native):
     """DeepSpeed finds partitions by file-name pattern: a file meta.json does not list is refused."""
     from zerolab.checkpoint import CheckpointError, verify
 
-    step = tmp_path / "step_00000002"
-    shutil.copytree(ds_run / "checkpoints" / "step_00000002", step)
+    step = ds_native / "step_00000003"
     extra = step / "deepspeed" / "zero_pp_rank_2_mp_rank_00_optim_states.pt"
     shutil.copy(step / "deepspeed" / "zero_pp_rank_1_mp_rank_00_optim_states.pt", extra)
     with pytest.raises(CheckpointError, match=f"{extra} is not recorded in meta.json"):

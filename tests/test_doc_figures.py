@@ -148,15 +148,22 @@ def test_the_readme_lists_the_shipped_shapes():
 def howto_lines() -> list[tuple[str, int, list[str]]]:
     """(page, line, argv) of each `python -m zerolab memory|lr|optim-state|plan` line in the code
     blocks of README.md and docs/ that holds no placeholder and rehearses nothing (plan's --exact
-    and --hardware rehearse a dry run per row: README's are run by tests/test_readme_runs.py)."""
+    and --hardware rehearse a dry run per row: README's are run by tests/test_readme_runs.py).
+    Plans of a transformers shape measure its activations on fake tensors (10-20 s each): README's
+    are run as written by tests/test_readme_runs.py and docs/choosing.md's nine recipes by
+    tests/test_choosing.py, both in the slow tier."""
     out = []
     for page in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        if page.name == "choosing.md":
+            continue
         text = page.read_text()
         for m in re.finditer(r"^```[^\n]*\n(.*?)^```", text, re.S | re.M):
             start = text.count("\n", 0, m.start()) + 2
             for n, line in enumerate(m.group(1).replace("\\\n", " ").splitlines(), start):
                 found = re.match(r"^(?:\.venv/bin/)?python -m zerolab ((?:memory|lr|optim-state|plan) .*)$", line)
                 if not found or any(mark in line for mark in ("<", "...", "--exact", "--hardware")):
+                    continue
+                if page.name == "README.md" and "model=hf" in line:
                     continue
                 out.append((page.name, n, shlex.split(found.group(1), comments=True)))
     return out

@@ -6,9 +6,12 @@ from __future__ import annotations
 import fnmatch
 import json
 import re
+import sys
 import tomllib
 
-from conftest import ROOT
+import pytest
+
+from conftest import ROOT, base_env, run_process
 
 
 def instructions(path=ROOT / "Dockerfile") -> list[tuple[str, str]]:
@@ -98,3 +101,102 @@ def test_runs_as_non_root_with_a_torchrun_entrypoint():
     assert entry[0] == "torchrun"
     cmd = json.loads(next(a for k, a in found if k == "CMD"))
     assert "train.py" in cmd
+
+
+# ---- DeepSpeed's ops: the image and the GPU install build them as `make install` does ------------
+OPS_BUILD = re.compile(r"(?:(?:^|\s)(?:\S*/)?python3?(?:\.\d+)?|\$\(PY\)) -m zerolab\.ds_ops build\b")
+INSTALLS_ZEROLAB = re.compile(r"pip install .*(?:-e )?\.(?:\[\w+\])?'?(?:\s|$)")
+
+
+def makefile_install_recipe() -> list[str]:
+    """The recipe lines of the Makefile's install stamp (what `make install` runs), comments dropped."""
+    lines = (ROOT / "Makefile").read_text().splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("$(STAMP):"))
+    recipe = []
+    for line in lines[start + 1:]:
+        if not line.startswith("\t"):
+            break
+        if not line.strip().startswith("#"):
+            recipe.append(line.strip())
+    return recipe
+
+
+def gpu_install_lines() -> list[str]:
+    """The shell lines of docs/launch.md's GPU install (the first bash block under "On GPUs")."""
+    section = (ROOT / "docs" / "launch.md").read_text().split("\n## On GPUs\n", 1)[1].split("\n## ", 1)[0]
+    block = re.search(r"```bash\n(.*?)```", section, re.S).group(1)
+    return [line.split("  #")[0].strip() for line in block.splitlines() if line.strip()]
+
+
+def ops_build_after_zerolab(lines: list[str], where: str) -> None:
+    """`python -m zerolab.ds_ops build` is run, once, after zerolab (whose module it is) is installed."""
+    builds = [i for i, line in enumerate(lines) if OPS_BUILD.search(line)]
+    installs = [i for i, line in enumerate(lines) if INSTALLS_ZEROLAB.search(line)]
+    assert len(builds) == 1, f"{where}: runs the op build {len(builds)} times: {lines}"
+    assert installs and installs[0] < builds[0], f"{where}: the op build comes before zerolab is installed: {lines}"
+
+
+def test_the_image_and_the_gpu_install_build_deepspeeds_ops_as_make_install_does():
+    """`make install` builds DeepSpeed's ops with zerolab.ds_ops (cpu_adam among them: what
+    DeepSpeed's optimizer offload runs); the Dockerfile and docs/launch.md's GPU install run the
+    same command after installing zerolab, with the same pins, so a first offload run on a GPU
+    machine compiles nothing at start-up."""
+    from zerolab import ds_ops
+
+    assert "cpu_adam" in ds_ops.OFFLOAD_OPS.values()  # built with the others (ds_ops.build)
+    recipe = makefile_install_recipe()
+    ops_build_after_zerolab(recipe, "Makefile")
+    ops_build_after_zerolab([a for k, a in instructions() if k == "RUN"], "Dockerfile")
+    ops_build_after_zerolab(gpu_install_lines(), "docs/launch.md's GPU install")
+    # the GPU install pins what the Makefile and the image pin
+    docs_pins, make_pins = pins(" ".join(gpu_install_lines())), pins(" ".join(recipe))
+    assert docs_pins["torch"] == make_pins["torch"] and docs_pins["deepspeed"] == make_pins["deepspeed"], docs_pins
+    # the image's non-root user can load them: torch takes a lock file in an op's directory on every load
+    after_build = [a for k, a in instructions() if k == "RUN"]
+    assert any("chown" in a and "/opt/venv/torch_extensions" in a for a in after_build), after_build
+
+
+def test_a_planted_missing_op_build_is_reported():
+    lines = ["pip install --no-build-isolation -e .", "echo done"]
+    try:
+        ops_build_after_zerolab(lines, "planted")
+    except AssertionError as err:
+        assert "runs the op build 0 times" in str(err)
+    else:
+        raise AssertionError("a missing op build passed")
+    try:
+        ops_build_after_zerolab(["python -m zerolab.ds_ops build", *lines], "planted")
+    except AssertionError as err:
+        assert "before zerolab is installed" in str(err)
+    else:
+        raise AssertionError("an op build before the install passed")
+
+
+CUDA_OPS_PROBE = """
+from deepspeed.accelerator import get_accelerator
+from deepspeed.ops.op_builder.cpu import CPUAdamBuilder
+from zerolab import ds_ops
+assert get_accelerator().device_name() == "cuda"
+print(ds_ops._build_one("ShareMemCommBuilder"))
+print(ds_ops._build_one("FusedAdamBuilder"))
+builder = get_accelerator().create_op_builder("CPUAdamBuilder")
+print("cpu_adam builder:", type(builder) is CPUAdamBuilder, builder.is_compatible())
+"""
+
+
+@pytest.mark.slow
+def test_the_images_op_build_keeps_cpu_adam_for_a_cuda_run(tmp_path):
+    """`docker build` sees no GPU, so the Dockerfile names DeepSpeed's CUDA accelerator
+    (DS_ACCELERATOR=cuda) for the op build. Under it, zerolab.ds_ops skips the CPU accelerator's
+    shared-memory op (a CUDA run does not load it) and the CUDA fused_adam (built for the GPU
+    DeepSpeed sees: on the first run), and builds cpu_adam: the CUDA accelerator's builder is the
+    CPU accelerator's class, so the op `make install` builds here is the one a GPU run loads. (Real
+    DeepSpeed 0.19.8 on this CPU-only torch; nothing is compiled.)"""
+    env = base_env(DS_ACCELERATOR="cuda", TORCH_EXTENSIONS_DIR=str(tmp_path))
+    proc = run_process([sys.executable, "-c", CUDA_OPS_PROBE], env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    assert "deepspeed_shm_comm: not an op of DeepSpeed's cuda accelerator, skipped" in lines[0], lines
+    assert lines[1].startswith("fused_adam: a CUDA op") and "first run on a GPU" in lines[1], lines
+    assert lines[2] == "cpu_adam builder: True True", lines
+    assert not any(tmp_path.iterdir()), "the probe built something"

@@ -481,6 +481,69 @@ def test_measurements_are_labelled_by_date_and_commit():
     assert not found, "\n".join(found)
 
 
+# ---- paragraphs a reader can take in -------------------------------------------------------------
+MAX_WORDS = 200
+BULLET = re.compile(r"^\s*[-*+]\s+")
+ORDERED = re.compile(r"^\s*(\d+)[.)]\s+")
+
+
+def prose_chunks(text: str) -> list[tuple[int, str]]:
+    """(first line, words) of each paragraph and list item outside code blocks, tables, headings and
+    HTML comments. A bullet starts an item; a number starts one where CommonMark lets it interrupt
+    a paragraph (`1.`, or inside a list): "field\n22) and ..." is one paragraph."""
+    _, prose = split_markdown(text)
+    out, current, start, in_item = [], [], 0, False
+    for n, line in enumerate(prose.splitlines(), 1):
+        stripped, number = line.strip(), ORDERED.match(line)
+        item = bool(BULLET.match(line)) or bool(number and (not current or in_item or number.group(1) == "1"))
+        if not stripped or stripped.startswith(("|", "#")) or item:
+            if current:
+                out.append((start, " ".join(current)))
+            current, in_item, start = ([stripped], True, n) if item else ([], False, n)
+            continue
+        if not current:
+            start = n
+        current.append(stripped)
+    if current:
+        out.append((start, " ".join(current)))
+    return out
+
+
+def long_paragraphs(text: str) -> list[str]:
+    return [f"line {n}: {len(chunk.split())} words ({chunk[:60]}...)" for n, chunk in prose_chunks(text)
+            if len(chunk.split()) > MAX_WORDS]
+
+
+def test_no_paragraph_or_list_item_runs_over_200_words():
+    """A reader takes a paragraph in at once; past 200 words it is two, or a list, or a table."""
+    found = [f"{p.relative_to(ROOT)}: {problem}" for p in DOC_FILES for problem in long_paragraphs(p.read_text())]
+    assert not found, "\n".join(found)
+
+
+def test_a_long_paragraph_or_item_is_found_and_code_and_tables_are_not():
+    words = " ".join(["word"] * 201)
+    assert len(long_paragraphs(f"Intro.\n\n{words[:600]}\n{words[600:]}\n")) == 1  # over two lines
+    assert len(long_paragraphs(f"- short\n- {words}\n")) == 1  # one list item
+    assert long_paragraphs(f"- {words[:500]}\n- {words[500:]}\n") == []  # two items, each short
+    assert long_paragraphs(f"```text\n{words}\n```\n| {words} |\n<!-- {words} -->\n") == []
+    assert len(long_paragraphs(f"{words[:300]}\n22) {words[300:]}\n")) == 1  # not a list: one paragraph
+
+
+DIARY = re.compile(r"\btried and not kept\b|\(before: |\bbefore the fix\b|\bonce got\b|\bused to\b|"
+                   r"\bearlier (?:one-factor )?model\b", re.I)
+
+
+def test_the_pages_state_the_current_fact_not_its_history():
+    """What was tried, and what a figure was before, belongs in bench/RESULTS.md; a page states the
+    current fact (with its date and commit where it is a measurement)."""
+    found = []
+    for path in DOC_FILES:
+        prose = " ".join(split_markdown(path.read_text())[1].split())  # a phrase may run over a line break
+        found += [f"{path.relative_to(ROOT)}: ...{prose[max(0, m.start() - 40):m.end() + 40]}..."
+                  for m in DIARY.finditer(prose)]
+    assert not found, "\n".join(found)
+
+
 def test_readme_stays_short():
     assert len((ROOT / "README.md").read_text().splitlines()) <= 300, (
         "README.md: at most 300 lines; move text into docs/")

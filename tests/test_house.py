@@ -22,7 +22,7 @@ PACKAGE = ROOT / "zerolab"
 MAX_FUNCTION_LINES = 60
 MAX_MODULE_LINES = 450
 MAX_LOOP_LINES = 40  # Trainer.train_step and Trainer.fit: one screen each
-MAX_STRATEGY_SURFACE = 21  # public members of the Strategy base class (docs/writing-a-strategy.md lists them)
+MAX_STRATEGY_SURFACE = 22  # public members of the Strategy base class (docs/writing-a-strategy.md lists them)
 
 
 def _contract() -> dict:

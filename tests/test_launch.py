@@ -78,3 +78,12 @@ def test_torchrun_sh_rejects_bad_override_before_starting_ranks(tmp_path):
                        cwd=tmp_path, env=base_env(NPROC="2"), timeout=120)
     assert proc.returncode == 2 and "strategy" in proc.stderr and "ddp" in proc.stderr, proc.stderr
     assert not list(tmp_path.rglob("status"))
+
+
+def test_torchrun_sh_refuses_a_stop_budget_that_is_not_whole_seconds(tmp_path):
+    """ZEROLAB_STOP_S becomes torchrun's --shutdown-timeout (an int): anything else stops the script
+    with exit 2, naming the variable, before a run directory or a rank exists."""
+    proc = run_process([str(ROOT / "launch" / "torchrun.sh"), f"run.root={tmp_path}"], cwd=tmp_path,
+                       env=base_env(NPROC="2", ZEROLAB_STOP_S="5m"), timeout=60)
+    assert proc.returncode == 2 and "ZEROLAB_STOP_S must be whole seconds, not '5m'" in proc.stderr, proc.stderr
+    assert not list(tmp_path.iterdir())

@@ -113,9 +113,9 @@ def coll(index, kind="all_gather", phase="forward", stream=0, ranks=(0, 1)):
     return Collective(index, kind, 1, ranks, phase, stream)
 
 
-def run(events, seconds: dict, streams=True, overlap_rate=1.0, meeting_s=0.0):
+def run(events, seconds: dict, streams=True, overlap_rate=1.0, meeting_s=0.0, queued_s=0.0):
     rec = StepRecord(events=events, collectives=[e for e in events if isinstance(e, Collective)])
-    return replay(rec, lambda o: o.bytes, lambda c: seconds[c.index], streams, overlap_rate, meeting_s)
+    return replay(rec, lambda o: o.bytes, lambda c: seconds[c.index], streams, overlap_rate, meeting_s, queued_s)
 
 
 def test_a_collective_hides_behind_the_compute_issued_between_it_and_its_wait():
@@ -202,6 +202,18 @@ def test_collectives_of_one_group_run_one_after_another():
     assert math.isclose(run(other_group, {0: 1.0, 1: 1.0}).parts["comm_exposed"], 0.5)
 
 
+def test_a_collective_issued_behind_others_in_flight_costs_the_queued_time_more():
+    """gloo's many small collectives in a row (queued_s = 0.25 s): two 1 s gathers issued together;
+    the second is behind the first: 1.25 s. Issued after the first has ended, it costs 1 s."""
+    together = [coll(0), coll(1), op(nbytes=0.5), Wait(0, False, "forward", 0), Wait(1, False, "forward", 0)]
+    assert math.isclose(run(together, {0: 1.0, 1: 1.0}, queued_s=0.25).parts["comm_exposed"], 1.75)
+    apart = [coll(0), Wait(0, False, "forward", 0), coll(1), Wait(1, False, "forward", 0)]
+    assert math.isclose(run(apart, {0: 1.0, 1: 1.0}, queued_s=0.25).parts["comm_exposed"], 2.0)
+    # on shared cores the second joins the queue of collective work while the first is in it
+    shared = run(together, {0: 1.0, 1: 1.0}, streams=False, overlap_rate=0.5, queued_s=0.25)
+    assert math.isclose(shared.step_s, 1.0 + 1.75)  # the op's 0.5 s beside 0.5 s of the gathers, then 1.75 s
+
+
 # ---- the prediction and what it says ------------------------------------------------------------------
 def test_tokens_mfu_and_an_op_without_a_formula_named():
     events = [op(flops=1e12, nbytes=0), op(name="my_kernel", nbytes=1e9, priced=False, dtype=""),
@@ -260,6 +272,52 @@ CALIBRATION = {"machine": "test", "date": "2026-12-03", "cores": 2, "ranks": {
                       "all_gather": {"2": {"latency_s": 0.0, "bandwidth": 4e8}}}} for n in (1, 2, 3)}}
 
 
+def test_gloo_latency_comes_from_the_small_sizes_and_bandwidth_from_the_large():
+    from zerolab.predict.calibrate import _fit
+
+    # measured: 4, 16, 64 kB at 0.2 ms, but 16 kB disturbed (3.6 ms); 1, 4, 16 MB at 1 GB/s beyond 1 ms
+    points = [(4 << 10, 2e-4), (16 << 10, 3.6e-3), (64 << 10, 2e-4), (1 << 20, 1e-3 + (1 << 20) / 1e9),
+              (4 << 20, 1e-3 + (4 << 20) / 1e9), (16 << 20, 1e-3 + (16 << 20) / 1e9)]
+    fit = _fit(points)
+    assert fit["latency_s"] == 2e-4  # the median of the three small sizes: the disturbed one does not count
+    assert math.isclose(fit["bandwidth"], 1e9, rel_tol=1e-9) and len(fit["points"]) == 6
+
+
+def test_an_op_of_a_measured_name_costs_its_nearest_measured_rate():
+    from zerolab.predict.kernels import table_seconds
+
+    table = {"mm": [[[1, 128, 128, 128], 4.0e6, 1e-4], [[1, 1024, 1024, 1024], 2.0e9, 1e-2]],  # 40 and 200 GFLOP/s
+             "gelu": [[[1e6, 1], 1e6, 1e-4], [[1e8, 1], 1e8, 2e-3]],  # 10 and 50 GB/s by size
+             "fill_": [[[0, 1], 0, 3e-6]]}
+    # a matmul of the big one's shape costs its FLOPs at its rate; one near the small one mostly at the small's
+    # (weights: 1 / squared log-distance; the far one's is 1/43 of the near one's, so its rate moves the price
+    # by under 3 %)
+    assert math.isclose(table_seconds("mm", 4e9, 0, 1, (1, 1024, 1024, 2048), table), 4e9 / 2e11, rel_tol=0.03)
+    assert 4.0e6 / 4.1e10 < table_seconds("mm", 4.0e6, 0, 1, (1, 128, 128, 130), table) < 4.0e6 / 4e10
+    assert math.isclose(table_seconds("gelu", 0, 1e8, 1, (), table), 2e-3, rel_tol=1e-3)  # by its bytes
+    assert table_seconds("fill_", 0, 0, 1, (), table) == 3e-6  # nothing measurable moved: the measured time
+    assert table_seconds("softmax", 0, 1e6, 1, (), table) is None  # never measured: the roofline prices it
+    assert table_seconds("mm", 1e6, 0, 1, (), table) is None  # no dims to place it among the matmuls
+
+
+def test_the_reference_steps_time_the_kernels_of_a_training_step_and_a_sharders_bookkeeping():
+    from zerolab.predict.kernels import merge_tables, reference_rows
+
+    rows, wall = reference_rows("gpt", 32, 2, 16, 16)  # (the calibration's shapes are wider: this is its structure)
+    names = {r[0] for r in rows}
+    model = {"mm", "addmm", "gelu", "native_layer_norm", "native_layer_norm_backward",
+             "_scaled_dot_product_flash_attention_for_cpu", "_fused_adamw_"}
+    sharder = {"div", "add_", "copy_", "_foreach_mul_", "_foreach_lerp_", "split_with_sizes_copy", "_chunk_cat",
+               "zero_"}
+    assert model | sharder <= names, (model | sharder) - names
+    assert all(r[3] >= 1 and r[5] >= 0 for r in rows) and wall > 0
+    assert all(len(r[4]) == 4 for r in rows if r[0] in ("mm", "addmm"))  # matmuls keep their dims
+    a = {"kernels": {"mm": [[[1, 2, 3, 4], 48, 1.0]]}, "host_s_per_kernel": 1e-6}
+    b = {"kernels": {"mm": [[[1, 2, 3, 4], 48, 3.0]], "add": [[[8, 1], 8, 2.0]]}, "host_s_per_kernel": 3e-6}
+    assert merge_tables([a, b]) == {"kernels": {"mm": [[[1, 2, 3, 4], 48, 2.0]], "add": [[[8, 1], 8, 2.0]]},
+                                    "host_s_per_kernel": 2e-6}
+
+
 def test_the_cpu_entry_is_this_machines_calibration(tmp_path, monkeypatch):
     """The rank count picks the entry measured with that many ranks at once; gloo's figures are
     looked up per kind and group size (a group of 4 takes the nearest measured: 3)."""
@@ -277,3 +335,11 @@ def test_the_cpu_entry_is_this_machines_calibration(tmp_path, monkeypatch):
     assert math.isclose(t.price("all_gather", 1e8, (0, 1)).seconds, 1e8 / 4e8, rel_tol=REL)
     four = Network(4, 4, LINKS["pcie4"], LINKS["pcie4"], cpu).price("all_reduce", 1e8, (0, 1, 2, 3))
     assert math.isclose(four.seconds, 2e-4 + 1e8 / 5e8, rel_tol=REL)
+    # a calibration with measured kernels prices an op of a measured name by them, plus the host time per kernel
+    tabled = {**CALIBRATION, "ranks": {n: {**c, "queued_s": 3e-4, "host_s_per_kernel": 2e-6,
+                                           "kernels": {"add": [[[4e8, 1], 4e8, 0.02]]}}
+                                       for n, c in CALIBRATION["ranks"].items()}}
+    path.write_text(json.dumps(tabled))
+    cpu = device("cpu", 2)
+    assert cpu.queued_s == 3e-4 and op_seconds(op("add", nbytes=4e8, kernels=1), cpu) == 0.02 + 2e-6
+    assert op_seconds(op("sub", nbytes=4e8, kernels=1), cpu) == 4e8 / 10e9 + 1e-5  # not measured: the roofline

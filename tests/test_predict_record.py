@@ -3,6 +3,7 @@ sees each strategy's own collectives, where they are issued and waited for, and 
 FLOPs; the volumes it records are the ZeRO paper's; the dry-run and plan CLIs carry the prediction."""
 from __future__ import annotations
 
+import functools
 import json
 import logging
 
@@ -12,11 +13,14 @@ from zerolab.predict import cli as predict_cli
 from zerolab.predict.record import Op, Sync, Wait
 from zerolab.predict.topology import FACTOR, Network
 from zerolab.predict.hardware import DEVICES, LINKS
+from zerolab.config import compose
+from zerolab.models import build_model
 from zerolab.rehearsal import cli_main, rehearse
 
 TINY = ["model=gpt_tiny", "data.micro_batch=2", "optim=adamw"]
 
 
+@functools.lru_cache(maxsize=None)  # a rehearsal is read, never changed: the tests that ask for the same one share it
 def recorded(strategy: str, world: int = 4, precision: str = "fp32", *extra: str):
     r = rehearse([*TINY, f"strategy={strategy}", f"precision={precision}", *extra], world=world, record=True)
     assert r.record is not None and r.previous is not None
@@ -70,6 +74,25 @@ def test_the_optimizer_runs_the_kernel_the_real_run_runs():
         assert "_fused_adamw_" in names(recorded(strategy, 2)), strategy
     fsdp = names(recorded("fsdp", 2))
     assert "_fused_adamw_" not in fsdp and "_foreach_lerp_" in fsdp
+
+
+def test_the_strategys_own_python_is_timed_as_host_sections_where_it_runs():
+    """Each hook on the model's parameters and modules, the strategy's step and the trainer's Python
+    between phases become "host:" ops without kernels, in their phase; a GPU prices them at nothing
+    (the host runs ahead), this machine at their time (zerolab.predict.record.HostSections)."""
+    from zerolab.predict.model import op_seconds
+
+    host = lambda r: [e for e in r.record.ops() if e.name.startswith("host:")]
+    zero2 = host(recorded("zero2", 2))
+    hooks = [e for e in zero2 if e.name == "host:ZeroBase._grad_ready"]
+    tensors = len(list(build_model(compose(TINY).model, device="meta").parameters()))
+    assert len(hooks) == tensors and {e.phase for e in hooks} == {"backward"}  # one per gradient, in backward
+    assert all(e.host_s >= 0 for e in zero2) and sum(e.host_s for e in hooks) > 0
+    assert {(e.name, e.phase) for e in zero2} >= {("host:strategy.step", "optimizer"), ("host:other", "other")}
+    assert all(e.kernels == 0 and e.bytes == 0 and e.flops == 0 for e in zero2)
+    ddp = {e.name for e in host(recorded("ddp", 2))}
+    assert "host:ZeroBase._grad_ready" not in ddp and "host:strategy.step" in ddp  # DDP's reducer hooks are C++
+    assert op_seconds(hooks[0], DEVICES["h100"]) == 0.0
 
 
 def test_dtensor_ops_are_recorded_as_what_dtensor_runs():

@@ -4,6 +4,7 @@ comparison reads the run's own config and parts; how close the two are is bench/
 from __future__ import annotations
 
 import json
+import statistics
 
 import pytest
 
@@ -29,8 +30,10 @@ def test_a_profiled_run_is_predicted_from_its_own_directory(tmp_path, monkeypatc
     job = read_run(str(run))
     assert (job.world, job.strategy, job.cfg.model.name) == (2, "zero2", "gpt_tiny")
     assert set(job.measured) == {*PARTS, "step"}
-    # the measured parts add up to the step, as the profiler makes them (floats of one sum)
-    assert sum(job.measured[p] for p in PARTS) == pytest.approx(job.measured["step"], rel=1e-9)
+    # each part is its median over the profiled steps and ranks (2 x 2 samples, from metrics.jsonl)
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    steps = [m[f"rank{r}/time/compute_s"] for m in rows for r in range(2) if f"rank{r}/time/compute_s" in m]
+    assert len(steps) == 4 and job.measured["compute"] == pytest.approx(statistics.median(steps), rel=1e-12)
     got = predict_run(str(run))
     assert got["strategy"] == "zero2" and got["world"] == 2 and got["hardware"] == "cpu"
     parts = got["parts"]
@@ -41,7 +44,11 @@ def test_a_profiled_run_is_predicted_from_its_own_directory(tmp_path, monkeypatc
     assert (tmp_path / "predicted.png").stat().st_size > 0
     # python -m zerolab compare lays the same prediction beside the run's profiled parts
     report = build_report([str(run)], str(tmp_path / "report"), predict="cpu")
-    assert report["predicted"][0]["parts"] == parts
+    beside = report["predicted"][0]["parts"]  # the same medians, now with their 95 % intervals
+    for p in (*PARTS, "step"):  # (the prediction is made again: its host sections are timed anew, so not equal)
+        assert beside[p]["measured"] == pytest.approx(parts[p]["measured"], rel=1e-12)
+        assert beside[p]["lo"] <= beside[p]["measured"] <= beside[p]["hi"]
+    assert sum(beside[p]["predicted"] for p in PARTS) == pytest.approx(beside["step"]["predicted"], rel=1e-9)
     text = (tmp_path / "report" / "report.md").read_text()
     assert "## The time model beside the profiled steps" in text and "predicted.png" in text
     assert (tmp_path / "report" / "predicted.png").stat().st_size > 0
@@ -55,7 +62,7 @@ def test_a_profiled_run_is_predicted_from_its_own_directory(tmp_path, monkeypatc
 @pytest.mark.slow
 def test_the_default_report_calibrates_a_fresh_machine_once(tmp_path, monkeypatch):
     """`compare`'s default (auto) on a machine without a calibration measures it (the real
-    calibration: 1, 2 and 3 ranks, about a minute), writes it where `--hardware cpu` reads it, says
+    calibration: 1, 2 and 3 ranks, about a minute and a half), writes it where `--hardware cpu` reads it, says
     so in the report, and lays the prediction beside the profiled parts; a second report reuses it."""
     path = tmp_path / "fresh" / "cpu-calibration.json"
     monkeypatch.setenv("ZEROLAB_CPU_CALIBRATION", str(path))
@@ -67,7 +74,7 @@ def test_the_default_report_calibrates_a_fresh_machine_once(tmp_path, monkeypatc
     assert report["predicted"] and report["predicted"][0]["hardware"] == "cpu"
     said = report["predicted_table"]
     assert said.startswith("This machine had no calibration for the time model: it was measured now, once"), said
-    assert str(path) in said and "| step | predicted ÷ measured |" in said
+    assert str(path) in said and "| step | predicted ÷ measured [95 %] |" in said
     text = (tmp_path / "report" / "report.md").read_text()
     assert "## The time model beside the profiled steps" in text and "it was measured now, once" in text
     mtime = path.stat().st_mtime_ns

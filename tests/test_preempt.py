@@ -139,26 +139,6 @@ def test_usr1_to_a_bare_torchrun_agent_saves_when_it_forwards_usr1(tmp_path):
     assert (run / "checkpoints" / f"step_{marker['step']:08d}" / "meta.json").exists()
 
 
-def test_a_strategy_without_checkpoints_stops_without_one_and_says_so(tmp_path):
-    """torch_zero writes no checkpoints: on SIGTERM its ranks still stop together after one step,
-    the one line of the job says there is no checkpoint, and the marker records none."""
-    run = tmp_path / "run"
-    proc, out = start(TORCHRUN_2, run, "strategy=torch_zero", "trainer.max_steps=1000")
-    out.until("step 3/1000 |")
-    proc.send_signal(signal.SIGTERM)
-    text = finish(proc, out, timeout=90)
-    assert_stopped_in_time(text)
-    marker = json.loads((run / "preempted.json").read_text())
-    assert marker["checkpoint"] is None and marker["signal"] == "SIGTERM", marker
-    # (torchrun forwards the SIGTERM to both ranks: one may have it before the other at the agreement)
-    said = re.findall(rf"^zerolab: stopped after step {marker['step']} of 1000 on SIGTERM \(received by [^)]+\); "
-                      r"checkpoint \(none\); no checkpoint was written \(this strategy cannot write one\)", text,
-                      re.MULTILINE)
-    assert len(said) == 1 and len(re.findall("^zerolab: stopped after", text, re.MULTILINE)) == 1, text[-6000:]
-    # (torchrun, itself signalled, prints no worker's exit code; launch/torchrun.sh's test reads 75)
-    assert not (run / "checkpoints").exists()
-
-
 def test_sigterm_to_launch_script_writes_preempted_status(tmp_path):
     """launch/torchrun.sh forwards the signal, then says `preempted` and exits 75 (EX_TEMPFAIL)."""
     run = tmp_path / "run"
@@ -177,10 +157,14 @@ def test_usr1_to_launch_script_at_four_ranks_stops_in_time(tmp_path):
     """Four ranks under launch/torchrun.sh, and a SIGUSR1 to the script (Slurm's warning, or `kill
     -USR1`): the script passes a TERM to torchrun, torchrun one TERM to each worker, and every rank
     saves at the same step and exits by itself (none waits for a second signal that never comes):
-    said once, status preempted, exit 75."""
+    said once, status preempted, exit 75. The script gives torchrun the stop's budget,
+    ZEROLAB_STOP_S, as its --shutdown-timeout (read from the running agent's command line)."""
     run = tmp_path / "run"
-    proc, out = start([str(ROOT / "launch" / "torchrun.sh")], run, "trainer.max_steps=1000", env={"NPROC": "4"})
+    proc, out = start([str(ROOT / "launch" / "torchrun.sh")], run, "trainer.max_steps=1000",
+                      env={"NPROC": "4", "ZEROLAB_STOP_S": "45"})
     out.until("step 2/1000 |")
+    agents = [pid for pid in children(proc.pid) if b"torch.distributed.run" in cmdline(pid)]
+    assert len(agents) == 1 and b"--shutdown-timeout=45" in cmdline(agents[0]).split(b"\0"), agents
     proc.send_signal(signal.SIGUSR1)
     text = finish(proc, out, timeout=120)
     assert_stopped_in_time(text)
@@ -205,22 +189,38 @@ def test_rank_frozen_mid_backward_is_named(tmp_path):
     assert "stopped: rank 1 in step 4 (backward): frozen (stopped by a signal or a debugger); killed" in text
 
 
-def rank_pid(agent_pid: int, rank: int) -> int:
-    """The worker of torchrun agent `agent_pid` that runs `rank` (from its environment)."""
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
+def children(pid: int) -> list[int]:
+    """The processes whose parent is `pid`."""
+    out = []
+    for entry in filter(str.isdigit, os.listdir("/proc")):
         try:
-            with open(f"/proc/{pid}/stat") as fh:
-                ppid = int(fh.read().rsplit(")", 1)[1].split()[1])
-            if ppid != agent_pid:
-                continue
-            with open(f"/proc/{pid}/environ", "rb") as fh:
-                env = dict(kv.split(b"=", 1) for kv in fh.read().split(b"\0") if b"=" in kv)
+            with open(f"/proc/{entry}/stat") as fh:
+                if int(fh.read().rsplit(")", 1)[1].split()[1]) == pid:
+                    out.append(int(entry))
         except OSError:
             continue
+    return out
+
+
+def proc_file(pid: int, name: str) -> bytes:
+    """/proc/<pid>/<name> (cmdline, environ: NUL-separated), empty if the process is gone."""
+    try:
+        with open(f"/proc/{pid}/{name}", "rb") as fh:
+            return fh.read()
+    except OSError:
+        return b""
+
+
+def cmdline(pid: int) -> bytes:
+    return proc_file(pid, "cmdline")
+
+
+def rank_pid(agent_pid: int, rank: int) -> int:
+    """The worker of torchrun agent `agent_pid` that runs `rank` (from its environment)."""
+    for pid in children(agent_pid):
+        env = dict(kv.split(b"=", 1) for kv in proc_file(pid, "environ").split(b"\0") if b"=" in kv)
         if env.get(b"RANK") == str(rank).encode():
-            return int(pid)
+            return pid
     raise AssertionError(f"no worker with RANK={rank} under torchrun pid {agent_pid}")
 
 

@@ -236,6 +236,19 @@ def test_which_steps_are_profiled_and_armed(tmp_path):
     assert kinds == ["null", "null", "on", "on", "on", "null", "null", "on", "on", "null"]
 
 
+def test_profile_every_repeats_after_the_last_named_step(tmp_path):
+    cfg = compose(["model=gpt_tiny", "trainer.peak_flops=1e12", "trainer.max_steps=11", "profile.steps=[2,4]",
+                   "profile.every=3"])
+    prof = zp.StepProfiler(cfg, _ctx(), build_model(cfg.model, device="meta"), str(tmp_path), torch.float32)
+    assert [s + 1 for s in range(11) if prof.profiles(s)] == [2, 4, 7, 10]  # 1-based, to max_steps
+    assert zp_profiler.profiled_steps([4], 2, 4) == [4] and zp_profiler.profiled_steps([], 2, 9) == []
+    # the default job's: every second step from 4, each after a step that is neither logged nor profiled
+    job = compose(["experiment=compare"])
+    steps = zp_profiler.profiled_steps(job.profile.steps, job.profile.every, job.trainer.max_steps)
+    assert steps == list(range(4, 31, 2)) and job.trainer.log_every == job.trainer.max_steps == 30
+    assert job.trainer.eval_every == 0
+
+
 # ---- the slow rank ----------------------------------------------------------------------------------
 def test_a_slow_rank_spends_its_time_once_before_the_first_forward(monkeypatch):
     slept = []
@@ -257,6 +270,8 @@ def test_a_slow_rank_spends_its_time_once_before_the_first_forward(monkeypatch):
     (["profile.steps=[5,6]"], "[6] not in 1..trainer.max_steps=5"),
     (["profile.steps=[2,2]"], "names a step twice"),
     (["profile.trace=true"], "profile.steps is empty"),
+    (["profile.every=2"], "profile.every=2 repeats after the last of profile.steps, and profile.steps is empty"),
+    (["profile.steps=[2]", "profile.every=-1"], "profile.every=-1 must be >= 0"),
     (["trainer.peak_flops=-1"], "trainer.peak_flops=-1.0 must be >= 0"),
     (["fault.slow_rank=2", "fault.slow_ms=10", "fault.at_step=1"], "fault.slow_rank=2 but the job has 2 ranks"),
     (["fault.slow_rank=1", "fault.at_step=1"], "a slow rank needs all of"),
@@ -310,15 +325,18 @@ def test_the_report_shows_where_the_step_goes(tmp_path):
     run = load_run(b)
     assert sorted(set(step_times(run))) == [0.1, 5.0]  # profiled steps are timed like the others
     got = breakdown([run])
-    assert got["steps"] == 2 and got["samples"] == 4
+    assert got["steps"] == 2 and got["samples"] == 4 and got["rounds"] == 1
+    # medians over steps and ranks: rank 0 exposed 0.03 in both steps, rank 1 0.05
     assert got["comm_exposed_s"] == pytest.approx(0.04) and got["comm_s"] == pytest.approx(0.08)
     assert got["hidden"] == pytest.approx(0.5)
     assert [x["comm_exposed_s"] for x in got["per_rank"]] == pytest.approx([0.03, 0.05])
+    lo, hi = got["spread"]["comm_exposed_s"]  # a bootstrap median of these four samples lies between them
+    assert 0.03 <= lo <= got["comm_exposed_s"] <= hi <= 0.05 and got["spread"]["compute_s"] == (0.06, 0.06)
     result = build_report([str(a), str(b)], str(tmp_path / "report"))
     md = (tmp_path / "report" / "report.md").read_text()
     assert "## Where the step goes" in md and "![breakdown](breakdown.png)" in md
-    row = next(line for line in md.splitlines() if line.startswith("| zero3 | 2 × 2 |"))
-    assert "| 40.0 (50.0) |" in row and "| 80.0 | 50 % | 25.0 % |" in row
+    row = next(line for line in md.splitlines() if line.startswith("| zero3 | 1 × 2 × 2 |"))
+    assert "| 60.0 [60.0, 60.0] |" in row and "| 50.0 |" in row and "| 50 % | 25.0 % |" in row
     assert Path(result["figures"]["breakdown"]).stat().st_size > 0
     assert result["breakdown"]["ddp"]["comm_exposed_s"] == pytest.approx(0.015)
 

@@ -211,12 +211,14 @@ def test_usr1_before_time_limit_writes_timeout(cluster, tmp_path):
     `scancel --signal=USR1 --batch`, stops the ranks and marks the run `timeout`."""
     run = tmp_path / "run"
     env = dict(cluster["job_env"], ZEROLAB_LAUNCH="torchrun")
-    # Rank 0 hangs before step 2 (after step 1 is logged): the job runs until it is stopped.
+    # Rank 0 hangs before step 2 (after step 1 is logged): the job runs until it is stopped. Asked
+    # to stop, the hung rank ends itself dist.timeout_s after it last moved (fault.ProgressBoard),
+    # inside the stop's budget (300 s here: the cluster's jobs have no time limit).
     # The job's output goes into a FIFO the test reads (conftest.Output: every wait has a
     # deadline): the fault's own message ("... fails before step 2") says training is under way.
     fifo = tmp_path / "job.out"
     os.mkfifo(fifo)
-    cmd = ["sbatch", "--wait", "--parsable", f"--output={fifo}", str(SBATCH), *TRAIN,
+    cmd = ["sbatch", "--wait", "--parsable", f"--output={fifo}", str(SBATCH), *TRAIN, "dist.timeout_s=20",
            f"run.dir={run}", "trainer.max_steps=1000", "fault.kill_rank=0", "fault.at_step=2", "fault.mode=hang"]
     with submitted(cmd, env) as (sbatch, job):
         out = Output(fifo)
@@ -246,11 +248,18 @@ def test_submitit_sweep_one_job_per_strategy(cluster, tmp_path):
     assert len(jobs) == 2, "the two strategies ran in the same Slurm job"
 
 
+SLOW_SAVE_S = 35  # longer than torchrun's own grace period (30 s) and than the job's dist.timeout_s (20)
+
+
 def test_usr1_warning_saves_requeues_and_resumes(cluster, tmp_path):
     """Slurm's time-limit warning (--signal=B:USR1@90, delivered now with `scancel --signal=USR1
-    --batch` as in the test above): the ranks save at the step they are in, the status says
+    --batch` as in the test above) to a job whose save takes longer than torchrun's default grace
+    period (fault.slow_save_s: a slow checkpoint directory): the stop's budget is the job's time
+    left (torchrun --shutdown-timeout), so the ranks save at the step they are in, the status says
     `preempted`, the job requeues itself, the second start resumes from that checkpoint
-    (checkpoint.resume=auto, same run dir) and ends bitwise equal to an uninterrupted run."""
+    (checkpoint.resume=auto, same run dir) and ends bitwise equal to an uninterrupted run. With
+    torchrun's 30 s the ranks would be SIGKILLed mid-save (status `timeout`, no requeue); with the
+    heartbeat's stuck rule applied to a save, a rank would end itself after dist.timeout_s."""
     steps = ["trainer.max_steps=12", "data.micro_batch=4"]
     ref = tmp_path / "ref"
     run_train(ref, 2, *TRAIN, *steps)
@@ -258,12 +267,20 @@ def test_usr1_warning_saves_requeues_and_resumes(cluster, tmp_path):
     env = dict(cluster["job_env"], ZEROLAB_LAUNCH="torchrun")
     fifo = tmp_path / "job.out"
     os.mkfifo(fifo)
-    cmd = ["sbatch", "--wait", "--parsable", f"--output={fifo}", str(SBATCH), *TRAIN, *steps, f"run.dir={run}"]
+    slow = [f"fault.slow_save_s={SLOW_SAVE_S}", "dist.timeout_s=20"]
+    cmd = ["sbatch", "--wait", "--parsable", f"--output={fifo}", "--time=10", str(SBATCH), *TRAIN, *steps, *slow,
+           f"run.dir={run}"]
     with submitted(cmd, env) as (sbatch, job):
         out = Output(fifo)  # attempt 1: the reading thread's open returns once the job opens its output
         out.until("step 2/12 |")  # rank 0 logged step 2: training is under way
         subprocess.run(["scancel", "--signal=USR1", "--batch", job], env=env, check=True, timeout=30)
-        first = out.rest(timeout=120)  # until the first start closes its output
+        first = out.rest(timeout=120 + SLOW_SAVE_S)  # until the first start closes its output
+        budget = re.search(r"a stop may take (\d+) s \(the job's time left\): torchrun --shutdown-timeout=(\d+)",
+                           first)
+        # the 10-minute limit, less the seconds the job had run when it started torchrun
+        assert budget and budget.group(1) == budget.group(2) and 480 <= int(budget.group(1)) <= 600, said(first)
+        slowed = re.findall(rf"rank (\d)'s save takes {SLOW_SAVE_S} s longer", first)
+        assert sorted(set(slowed)) == ["0", "1"], said(first)  # each rank's save was the slow one
         assert f"requeueing job {job}" in first, said(first)
         # Slurm holds a requeued job for cred_expire + 1 s (its BeginTime; 30 s in local_slurm.sh).
         second = Output(fifo).rest(timeout=240)  # attempt 2: the requeued start opens it again

@@ -42,11 +42,10 @@ def test_every_strategy_declares_format_settings_and_one_reference():
     cfg = compose(TINY)
     used = {k for k in decided for name in REGISTRY if strategy_class(name).reads(k, cfg)}
     assert decided <= used, f"strategy-decided settings no strategy reads: {sorted(decided - used)}"
-    # torch_zero inherits DDP's checkpoint methods but must not write them (its optimizer state
-    # lives on the rank owning each parameter): the class says so, not a name list.
-    assert strategy_class("torch_zero").checkpoint_format == "none"
-    assert names_where(checkpoint_format="pieces") == ["ddp", "zero1", "zero2", "zero3"]
-    assert names_where(checkpoint_format="native") == ["deepspeed"]
+    # every strategy writes zerolab's pieces (format 5); "native" is only read, from DeepSpeed's
+    # checkpoints of before, by the class that can still read them
+    assert names_where(checkpoint_format="pieces") == list(REGISTRY)
+    assert [n for n in REGISTRY if hasattr(strategy_class(n), "load_native")] == ["deepspeed"]
     # the default lists of `make run`, bench/compare.py and bench/zero.py come from the registry
     assert all_names().split(",") == list(REGISTRY)
     assert names_where(zerolab_sharder=True) == ["zero1", "zero2", "zero3"]
@@ -187,7 +186,7 @@ def test_format_2_checkpoint_still_loads(tmp_path, monkeypatch):
 
         meta_file = Path(path) / "meta.json"
         meta = json.loads(meta_file.read_text())
-        assert FORMAT_VERSION == 3 and meta["format_version"] == 3 and meta["checkpoint_format"] == "pieces"
+        assert FORMAT_VERSION == 5 and meta["format_version"] == 5 and meta["checkpoint_format"] == "pieces"
         old = {k: v for k, v in meta.items() if k not in ("checkpoint_format", "meta_sha256")}
         meta_file.write_text(meta_text({**old, "format_version": 2}))
         assert verify(path)["checkpoint_format"] == "pieces"
@@ -249,6 +248,34 @@ def test_the_documented_example_refuses_what_it_cannot_run(tmp_path, monkeypatch
     cfg = compose([*TINY, "strategy=ddp", "precision=bf16"])
     with pytest.raises(ConfigError, match="trains fp32 only"):
         strategy_class(name).check_config(cfg, 1)
+
+
+def test_a_strategy_without_checkpoints_is_refused_them_and_stops_without_one(tmp_path, monkeypatch, one_rank):
+    """Every registered strategy writes checkpoints; a new one need not (the page's example
+    declares none): checkpoint.every is refused before any rank starts, and a stop signal still
+    ends its run after the step, with no checkpoint, the one line saying so and the marker none."""
+    from zerolab.errors import ConfigError
+    from zerolab.run.preempt import MARKER, Preempted, Stop
+    from zerolab.trainer import Trainer
+
+    name = _documented_strategy(tmp_path, monkeypatch)
+    assert strategy_class(name).checkpoint_format == "none"
+    cfg = compose([*TINY, "strategy=ddp", f"run.dir={tmp_path / 'run'}", f"data.path={fixed_corpus()}",
+                   "trainer.max_steps=4", "checkpoint.every=2"])
+    cfg.strategy.name = name
+    with pytest.raises(ConfigError, match=rf"strategy={name} cannot write checkpoints yet; use one of ddp, "):
+        strategy_class(name).check_config(cfg, 1)
+    cfg.checkpoint.every = 0
+    trainer = Trainer(cfg, one_rank)
+    try:
+        trainer.train_step(0)
+        with pytest.raises(Preempted, match=r"^zerolab: stopped after step 1 of 4 on SIGTERM; checkpoint \(none\); "
+                                            r"no checkpoint was written \(this strategy cannot write one\)$"):
+            trainer.stop(1, None, Stop(signal="SIGTERM", signalled=(0,), write_failed=(), world_size=1))
+    finally:
+        trainer.close()
+    assert json.loads((tmp_path / "run" / MARKER).read_text())["checkpoint"] is None
+    assert not (tmp_path / "run" / "checkpoints").exists()
 
 
 # ---- docs/writing-a-strategy.md is true to the code ------------------------------------------------

@@ -12,6 +12,7 @@ pytestmark = pytest.mark.slow  # every test here starts processes (see conftest:
 def test_compare_sweep_runs_each_job_under_torchrun(tmp_path):
     proc = run_python(str(ROOT / "train.py"), "-m", "experiment=compare", "strategy=ddp,torch_zero",
                       "model=gpt_tiny", "data.micro_batch=4", "trainer.max_steps=4", "trainer.eval_every=2",
+                      "trainer.log_every=1",  # every step timed (the experiment logs its first and last only)
                       f"run.root={tmp_path / 'runs'}",
                       "logging.wandb.mode=disabled", cwd=tmp_path,
                       timeout=540)  # 4 jobs; generous: a loaded 2-core machine

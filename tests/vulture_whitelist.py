@@ -23,3 +23,6 @@ base.Strategy.zerolab_sharder  # read by names_where(zerolab_sharder=True) in be
 # tokenizers.Tokenizer properties set in zerolab/data/prepare.py, read by the library
 _.pre_tokenizer, _.decoder, _.post_processor
 _.use_cache  # a transformers config attribute set in zerolab/models/sources.py, read by the model's forward
+# DeepSpeed's own fields, set by zerolab/strategies/deepspeed_checkpoint.py and read inside DeepSpeed
+_._hp_optimizer_states_linked  # its ZeRO-1/2 links optimizer-state fragments again when this is False
+_.global_steps, _.global_samples  # the engine's step counts (its schedulers and logs), set on resume

@@ -170,11 +170,16 @@ def _check_run(cfg: Config, world: int) -> None:
         _choice("fault.phase", f.phase, FAULT_PHASES)
     if f.phase == RECORD_CUT and f.mode != "exit":
         raise ConfigError(f"fault.phase={RECORD_CUT} goes with fault.mode=exit (got fault.mode={f.mode})")
+    _positive("fault.slow_save_s", f.slow_save_s, allow_zero=True)
 
 
 def _check_profile(cfg: Config, world: int) -> None:
     """profile.steps, the peak for MFU and the straggler fault (zerolab/profile/)."""
     p, t, f = cfg.profile, cfg.trainer, cfg.fault
+    _positive("profile.every", p.every, allow_zero=True)
+    if p.every and not p.steps:
+        raise ConfigError(f"profile.every={p.every} repeats after the last of profile.steps, and profile.steps is "
+                          "empty: name the first, e.g. profile.steps=[4] profile.every=2")
     outside = [s for s in p.steps if not 1 <= s <= t.max_steps]
     if outside:
         raise ConfigError(f"profile.steps={list(p.steps)}: {outside} not in 1..trainer.max_steps={t.max_steps} "

@@ -2,11 +2,15 @@
 
 On CPU, DeepSpeed compiles two small ops the first time a run needs them: its shared-memory
 collectives (`deepspeed_shm_comm`, loaded when its comm layer starts) and its fused Adam
-(`fused_adam`, for optimizer type Adam/AdamW). A first-use compile takes minutes on a busy
+(`fused_adam`, for optimizer type Adam/AdamW); with optimizer offload, on a CPU or a GPU machine,
+its CPU Adam (`cpu_adam`, the host's step). A first-use compile takes minutes on a busy
 2-core machine, inside a run or a test, and a compile killed half-way leaves a lock that makes
 the next run wait. So `make install` builds them into the virtualenv (`<venv>/torch_extensions`),
 next to the torch they were compiled against, and every zerolab DeepSpeed run looks there first.
-TORCH_EXTENSIONS_DIR, when set, wins (torch's own convention).
+TORCH_EXTENSIONS_DIR, when set, wins (torch's own convention). The Dockerfile and the GPU install
+(docs/launch.md) run the same command: each op of the list that the machine's DeepSpeed
+accelerator has is built (on CUDA: cpu_adam, and fused_adam where a GPU is visible, since DeepSpeed
+builds a CUDA op for the GPU it sees; without one it builds on the first run, with nvcc).
 
     python -m zerolab.ds_ops build      # what `make install` runs
     python -m zerolab.ds_ops status     # which ops are built, where
@@ -64,9 +68,18 @@ def _build_one(builder_name: str) -> str:
     path = use_prebuilt()
     from deepspeed.accelerator import get_accelerator
 
+    import torch
+    from deepspeed.ops.op_builder.builder import CUDAOpBuilder
+
     t0, op = time.perf_counter(), {**CPU_OPS, **OFFLOAD_OPS}[builder_name]
-    builder = get_accelerator().create_op_builder(builder_name)
-    if builder is None or not builder.is_compatible():
+    accel = get_accelerator()
+    builder = accel.create_op_builder(builder_name)
+    if builder is None:
+        return f"{op}: not an op of DeepSpeed's {accel.device_name()} accelerator, skipped (its runs do not load it)"
+    if isinstance(builder, CUDAOpBuilder) and not torch.cuda.is_available():
+        return (f"{op}: a CUDA op, built for the GPU DeepSpeed sees, and none is visible here: it builds on "
+                f"the first run on a GPU (nvcc)")
+    if not builder.is_compatible():
         return f"{op}: not compatible with this machine, skipped (DeepSpeed falls back without it)"
     builder.load(verbose=False)
     return f"{op}: built in {path} ({time.perf_counter() - t0:.0f} s)"
@@ -76,10 +89,8 @@ def build() -> int:
     use_prebuilt()
     from deepspeed.accelerator import get_accelerator
 
-    accel = get_accelerator()
-    if accel.device_name() != "cpu":
-        print(f"DeepSpeed accelerator is {accel.device_name()}: its ops build on first use (not prebuilt here)")
-        return 0
+    print(f"DeepSpeed's {get_accelerator().device_name()} accelerator: building its ops of "
+          f"{', '.join({**CPU_OPS, **OFFLOAD_OPS}.values())} into {ops_dir()}")
     # Each op is a compiler run or two that uses one core: on 2 cores, building the three side by
     # side takes about half as long as one after another. Each has its own build directory and lock.
     import concurrent.futures

@@ -314,6 +314,9 @@ class FaultConfig:
     # before its first forward; counted in that step's time (profile.steps shows where it lands)
     slow_rank: int = -1
     slow_ms: float = 0.0
+    # A slow checkpoint directory: every rank spends this many seconds more in each checkpoint save,
+    # before it writes (a test and rehearsal hook for the stop's time budget; every attempt)
+    slow_save_s: float = 0.0
 
 
 @dataclass
@@ -322,6 +325,10 @@ class ProfileConfig:
     # 1-based optimizer steps (as in metrics.jsonl) to split into compute, optimizer, exposed
     # communication and other on every rank; each is logged. Empty: no profiling
     steps: List[int] = field(default_factory=list)
+    # also every `every` steps after the last of `steps`, to the end of the run (0: only `steps`):
+    # steps=[4] every=2 profiles 4, 6, 8, ...; each follows a step that is neither logged nor
+    # profiled, as most steps of a long run do (docs/profile.md)
+    every: int = 0
     # also a Chrome trace per rank of each run of consecutive profiled steps:
     # <run dir>/traces/steps<first>-<last>-rank<r>.json.gz (gzip JSON, opens in Perfetto)
     trace: bool = False

@@ -30,6 +30,7 @@ from zerolab.optim import build_optimizer
 from zerolab.optim.schedule import LRSchedule
 from zerolab.precision import Precision
 from zerolab.run import directory as rundir, record as run_record
+from zerolab.run.fault import SAVING
 from zerolab.run.instruments import Instruments
 from zerolab.run.metrics import MetricsSink
 from zerolab.run.preempt import MARKER, StopRequest, stop_run
@@ -229,7 +230,8 @@ class Trainer:
 
     def save(self, done: int) -> str:
         """Checkpoint after `done` steps (collective); returns its path."""
-        self.watch.at("checkpoint")
+        self.watch.at(SAVING)
+        self.watch.fault.in_save()  # fault.slow_save_s: a slow checkpoint directory (rehearsing a stop)
         return self.checkpointer.save(done, self.strategy, self.schedule, self.sampler)
 
     def stop(self, done: int, saved: Optional[str], stop) -> None:

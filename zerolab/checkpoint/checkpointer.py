@@ -1,12 +1,13 @@
 """Save and resume during training: collective, atomic, and agreed by every rank.
 
-The strategy says what it writes (Strategy.checkpoint_format): "pieces" (its rank's name-keyed
-pieces, zerolab/checkpoint/reshard.py) or "native" (its own files, written by save_native into the
-checkpoint directory, which zerolab checksums). Every rank also writes rank<r>.safetensors with its
-RNG state and its own model buffers (and its pieces, for that format); rank 0 writes meta.json and
-publishes. Model buffers (BatchNorm statistics, a custom running scale) are model state that each
-rank updates from its own batches: each rank saves its own, and a resume at the same world size
-gives each its own back; at another world size every rank loads rank 0's (reshard.py says why).
+Every strategy writes zerolab's "pieces" (its rank's name-keyed element ranges of every tensor,
+zerolab/checkpoint/reshard.py), so a checkpoint of N ranks of any strategy resumes on M ranks of
+any other. Every rank writes rank<r>.safetensors with its pieces, its RNG state and its own model
+buffers; rank 0 writes meta.json and publishes. A "native" checkpoint (a library's own files, which
+DeepSpeed runs wrote before every strategy wrote pieces) is still read, by its writing strategy.
+Model buffers (BatchNorm statistics, a custom running scale) are model state that each rank
+updates from its own batches: each rank saves its own, and a resume at the same world size gives
+each its own back; at another world size every rank loads rank 0's (reshard.py says why).
 """
 from __future__ import annotations
 
@@ -18,13 +19,13 @@ from dataclasses import asdict
 
 import torch
 
-from zerolab.checkpoint.format import BUFFERS_FORMAT_VERSION, FORMAT, FORMAT_VERSION, META, CheckpointError, \
-    meta_text, read_meta, write_safetensors
+from zerolab.checkpoint.format import FORMAT, FORMAT_VERSION, META, CheckpointError, meta_text, read_meta, \
+    write_safetensors
 from zerolab.checkpoint.reshard import BUFFER_PREFIX, PieceReader, buffer_source, module_buffers, optimizer_scalars, \
     restore_optimizer_scalars, rng_tensors
 from zerolab.checkpoint import room
 from zerolab.checkpoint.store import (bytes_of, check_compatible, list_checkpoints, make_room, newest_good, prune,
-                                      publish, record_files, resolve, verify)
+                                      publish, resolve, verify)
 
 log = logging.getLogger("zerolab")
 
@@ -78,13 +79,9 @@ class Checkpointer:
             except OSError as err:
                 failure = self._failure(step, err, tmp)
         self._agree(ctx.gather_objects(failure), tmp)
-        native = strategy.checkpoint_format == "native"
-        report, where = None, tmp if native else os.path.join(tmp, f"rank{ctx.rank}.safetensors")
+        report, where = None, os.path.join(tmp, f"rank{ctx.rank}.safetensors")
         try:
-            if native:  # the strategy writes its own files (collective)
-                strategy.save_native(tmp)
-            where = os.path.join(tmp, f"rank{ctx.rank}.safetensors")
-            report = self._write_rank_file(tmp, step, strategy, native)
+            report = self._write_rank_file(tmp, step, strategy)  # collective where the strategy gathers
         except Exception as err:  # noqa: BLE001  (torch.save reports a full disk as RuntimeError)
             failure = self._failure(step, err, where)
         reports = ctx.gather_objects(report if failure is None else {"failure": failure})
@@ -92,9 +89,6 @@ class Checkpointer:
         if ctx.is_main:
             try:
                 meta = self._meta(step, strategy, schedule, sampler, reports)
-                if native:
-                    meta["native"] = strategy.native_meta()
-                    record_files(tmp, meta["files"])
                 publish(tmp, final, self.dir, meta_text(meta))
                 prune(self.dir, self.cfg.checkpoint.keep_last)
             except OSError as err:
@@ -105,9 +99,9 @@ class Checkpointer:
         self.last_saved = final
         return final
 
-    def _write_rank_file(self, tmp: str, step: int, strategy, native: bool) -> dict:
+    def _write_rank_file(self, tmp: str, step: int, strategy) -> dict:
         ctx = self.ctx
-        pieces = {} if native else strategy.checkpoint_state()
+        pieces = strategy.checkpoint_state()
         entries, index = [], []
         for key, pc in sorted(pieces.items()):
             tname = f"{key}@{pc.start}:{pc.end}"
@@ -122,7 +116,7 @@ class Checkpointer:
         fname = f"rank{ctx.rank}.safetensors"
         info = write_safetensors(os.path.join(tmp, fname), entries, {"format": FORMAT, "rank": ctx.rank, "step": step})
         return {"file": fname, "rank": ctx.rank, **info, "pieces": index,
-                "scalars": {} if native else optimizer_scalars(strategy.optimizer)}
+                "scalars": optimizer_scalars(strategy.optimizer_states())}
 
     def _failure(self, step: int, err: Exception, writing: str) -> str:
         """One paragraph: where, what happened, how much room the rest of the run needs and where it
@@ -205,7 +199,7 @@ class Checkpointer:
         scalars = next((r["scalars"] for r in reports if r["scalars"]), {})
         count = scalars.get("step", {}).get("value")
         return {
-            "format": FORMAT, "format_version": BUFFERS_FORMAT_VERSION if self.layout["buffers"] else FORMAT_VERSION,
+            "format": FORMAT, "format_version": FORMAT_VERSION,
             "checkpoint_format": strategy.checkpoint_format,
             "step": step, "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "world_size": self.ctx.world_size, "strategy": cfg.strategy.name, "precision": cfg.precision.name,
@@ -213,7 +207,7 @@ class Checkpointer:
             "versions": {"zerolab": zerolab.__version__, "torch": torch.__version__,
                          "safetensors": safetensors.__version__},
             "lr_schedule": {**asdict(schedule), "next_lr": schedule(step)},
-            "loss_scaler": strategy.precision.scaler.state_dict(),
+            "loss_scaler": strategy.precision.scaler.state_dict(),  # (a library's own scaler mirrors itself there)
             "sampler": {"next_step": step, "seed": sampler.seed, "global_batch": sampler.global_batch},
             "optimizer_scalars": scalars,
             # the steps whose update was skipped (a non-finite gradient norm, an fp16 overflow): with the
@@ -270,10 +264,10 @@ class Checkpointer:
             strategy.load_native(path, meta)
         else:
             strategy.load_checkpoint_state(reader)
-            restore_optimizer_scalars(strategy.optimizer, meta["optimizer_scalars"])
+            restore_optimizer_scalars(strategy.optimizer_states(), meta["optimizer_scalars"])
             scaler = strategy.precision.scaler
             if scaler.enabled and meta["precision"] == "fp16":
-                scaler.load_state_dict(meta["loss_scaler"])
+                scaler.load_state_dict(meta["loss_scaler"])  # (restore_step hands it to a library's own scaler)
         strategy.restore_step(step)
         self._restore_buffers(reader, meta)
         if reader.weights_only and ctx.is_main:

@@ -28,11 +28,16 @@ FORMAT = "zerolab-checkpoint"
 #    keeps a native format's own record under "native". 1 and 2 are read as their writer's format,
 #    a native record under the writer's name (see upgrade_meta).
 # 4: the model's persistent buffers are in the rank files ("buffer/<name>", each rank its own) and
-#    their shapes in meta.json ("buffer_shapes"). Only a checkpoint that holds buffers is written
-#    as 4, so that a zerolab that would ignore them refuses it; every other one stays 3.
-FORMAT_VERSION = 3
-BUFFERS_FORMAT_VERSION = 4
-NEWEST_READ = BUFFERS_FORMAT_VERSION
+#    their shapes in meta.json ("buffer_shapes"). Only a checkpoint that held buffers was written
+#    as 4, so that a zerolab that would ignore them refuses it; every other one stayed 3.
+# 5: every strategy writes pieces (fsdp, torch_zero and deepspeed too: the writer may be another
+#    library), and "optimizer_scalars" is library-neutral: a reader restores each counter in its
+#    own optimizer's type (an int for DeepSpeed's Adam, a tensor for torch's), where 3 and 4 were
+#    read in the writer's type, which a zerolab of those versions would misapply to a counter
+#    another library wrote. So every checkpoint is written as 5, and 1 to 4 are still read.
+FORMAT_VERSION = 5
+BUFFERS_FORMAT_VERSION = 4  # the first version whose rank files may hold model buffers
+NEWEST_READ = FORMAT_VERSION
 FORMATS = ("pieces", "native")
 META, LATEST = "meta.json", "latest"
 STEP_RE = re.compile(r"^step_(\d{8,})$")
@@ -207,8 +212,8 @@ def validate_meta(meta: dict, mpath: str, dirname: str) -> None:
         want("checkpoint_format", lambda v: v in FORMATS, " or ".join(FORMATS))
     if meta["checkpoint_format"] == "native":
         cls = writer_class(meta)
-        if cls is None or cls.checkpoint_format != "native":
-            bad("strategy", f"is {meta['strategy']!r}, which writes no native checkpoint format this zerolab reads")
+        if cls is None or not hasattr(cls, "load_native"):  # (strategies/native.py: a reader of its own old files)
+            bad("strategy", f"is {meta['strategy']!r}, whose native checkpoint format this zerolab does not read")
         problem = cls.native_meta_problem(meta.get("native"))
         if problem:
             bad("native", f"is {meta.get('native')!r}, expected {problem}")

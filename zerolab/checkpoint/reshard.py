@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import os
+from typing import Iterable
 
 import torch
 
@@ -62,10 +63,12 @@ def buffer_source(meta: dict, rank: int, world_size: int) -> int:
     return rank if meta["world_size"] == world_size else 0
 
 
-def optimizer_scalars(optimizer: torch.optim.Optimizer) -> dict:
-    """Per-parameter scalar state (Adam's `step`); it must agree across parameters."""
+def optimizer_scalars(states: Iterable[dict]) -> dict:
+    """Per-parameter scalar state (Adam's `step`) of a strategy's optimizer states
+    (Strategy.optimizer_states); it must agree across parameters. Recorded as the value with the
+    writer's type beside it (format 5: a reader restores it in its own optimizer's type)."""
     found: dict[str, dict] = {}
-    for state in optimizer.state.values():
+    for state in states:
         for key, v in state.items():
             if isinstance(v, torch.Tensor) and v.ndim > 0:
                 continue
@@ -78,10 +81,19 @@ def optimizer_scalars(optimizer: torch.optim.Optimizer) -> dict:
     return found
 
 
-def restore_optimizer_scalars(optimizer: torch.optim.Optimizer, scalars: dict) -> None:
-    for state in optimizer.state.values():
+def restore_optimizer_scalars(states: Iterable[dict], scalars: dict) -> None:
+    """Each saved counter into every state dict, in the type the reader's optimizer keeps it: a
+    tensor of its own dtype and device (torch's and zerolab's Adam), a Python int (DeepSpeed's), so
+    a counter written by one library is the one another library counts on from. Where the reader
+    has no such entry yet, the writer's type."""
+    for state in states:
         for key, rec in scalars.items():
-            if rec["tensor"]:
+            mine = state.get(key)
+            if isinstance(mine, torch.Tensor):
+                state[key] = torch.tensor(rec["value"], dtype=mine.dtype, device=mine.device)
+            elif isinstance(mine, (int, float)) and not isinstance(mine, bool):
+                state[key] = type(mine)(rec["value"])
+            elif rec["tensor"]:
                 state[key] = torch.tensor(rec["value"], dtype=getattr(torch, rec["dtype"]))
             else:
                 state[key] = int(rec["value"]) if rec["dtype"] == "int" else rec["value"]

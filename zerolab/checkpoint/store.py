@@ -167,17 +167,6 @@ def _differences(saved: dict, mine: dict, what: str) -> list[str]:
     return problems
 
 
-def record_files(directory: str, files: dict) -> None:
-    """Adds every file under `directory` that `files` lacks (a native format's own files, which no
-    rank reported) with its size and sha256; meta.json itself is never recorded."""
-    for root, _, names in os.walk(directory):
-        for n in sorted(names):
-            full = os.path.join(root, n)
-            rel = os.path.relpath(full, directory)
-            if rel != META and rel not in files:
-                files[rel] = {"rank": None, "bytes": os.path.getsize(full), "sha256": sha256_file(full)}
-
-
 def publish(tmp: str, final: str, root: str, meta_text: str) -> None:
     """meta.json into the finished temp directory, the directory into place, then `latest`: a crash
     at any point leaves the previous checkpoint (and `latest` naming it) intact."""

@@ -17,11 +17,22 @@ so each figure is what one rank gets while the others work beside it. Per n:
 - op_overhead_s: what one kernel costs beyond its roofline: a tiny MLP's forward, backward and
   AdamW step (tensors of a few elements) timed, divided by the kernels zerolab.predict.ops counts
   in it (module calls, autograd and the dispatcher included);
+- kernels and host_s_per_kernel: every op of reference training steps timed as dispatched, by
+  name and shape, and the host time beyond them per kernel (zerolab.predict.kernels): what prices
+  an op where its name was measured (matmuls by shape, GELU and the norms at their own rates,
+  elementwise ops and copies by their size), the figures above where it was not;
 - meeting_s (n >= 2): what each collective adds because the ranks must meet for it (meeting_cost:
   compute chunks each followed by a tiny all-reduce, against both alone); more ranks than cores
   reach a meeting at different times, and the cores idle while the first ones wait;
-- gloo (n >= 2): all-reduce, reduce-scatter, all-gather and broadcast at 256 KiB to 32 MiB, the
-  median of 5 after a warm-up, fitted to latency + bytes / bandwidth (bytes: the full buffer).
+- gloo (n >= 2): all-reduce, reduce-scatter, all-gather and broadcast at 4 KiB to 32 MiB, the
+  median of 5 after a warm-up, each alone (a barrier before it), as latency + bytes / bandwidth
+  (bytes: the full buffer): the latency from the sizes up to 64 KiB, the bandwidth from 1 MiB on
+  (_fit);
+- queued_s (n >= 2): what a collective costs beyond that when it is issued behind others of its
+  group, as strategies issue many small ones in a row (torch's ZeroRedundancyOptimizer broadcasts
+  every parameter; a sharder launches a collective per bucket): 16 collectives of 64 KiB to 1 MiB
+  issued at once and then waited for, per collective, less the same collective alone; the median
+  over the kinds and sizes.
 
 The result is a JSON file (hardware.calibration_path()); `--hardware cpu` reads it. Nothing in the
 test suite depends on it.
@@ -40,9 +51,12 @@ import time
 
 import torch
 
+from zerolab.predict.kernels import measure_table, merge_tables
+
 SHAPES = [(1024, 384, 384), (1024, 384, 1536), (1024, 1536, 384), (384, 1024, 1536), (2048, 512, 512),
           (512, 256, 1024), (1536, 1024, 384), (1024, 1024, 1024)]
-GLOO_SIZES = [256 << 10, 1 << 20, 4 << 20, 16 << 20, 32 << 20]
+GLOO_SIZES = [4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 32 << 20]
+QUEUED_SIZES, QUEUED_CALLS = [64 << 10, 256 << 10, 1 << 20], 16  # a parameter's or a bucket's size, many in a row
 KINDS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast")
 
 
@@ -162,6 +176,32 @@ def gloo_fits(world: int) -> dict:
     return out
 
 
+def queued_cost(fits: dict, world: int) -> float:
+    """Seconds a collective costs beyond its own (alone, `fits`' points) when QUEUED_CALLS of its
+    kind are issued at once and then waited for (module docstring): the median over kinds and sizes."""
+    import torch.distributed as dist
+
+    extra = []
+    for kind in KINDS:
+        alone = dict((int(x), y) for x, y in fits[kind]["points"])
+        for size in QUEUED_SIZES:
+            n = size // 4 // world * world
+            full, part = torch.ones(n), torch.ones(n // world)
+            issue = {"all_reduce": lambda: dist.all_reduce(full, async_op=True),
+                     "reduce_scatter": lambda: dist.reduce_scatter_single(part, full, async_op=True),
+                     "all_gather": lambda: dist.all_gather_single(full, part, async_op=True),
+                     "broadcast": lambda: dist.broadcast(full, 0, async_op=True)}[kind]
+            times = []
+            for _ in range(5):
+                dist.barrier()
+                t0 = time.perf_counter()
+                for work in [issue() for _ in range(QUEUED_CALLS)]:
+                    work.wait()
+                times.append((time.perf_counter() - t0) / QUEUED_CALLS)
+            extra.append(statistics.median(times) - alone.get(4 * n, min(alone.values())))
+    return max(0.0, statistics.median(extra))
+
+
 def meeting_cost(iterations: int = 30) -> float:
     """Seconds a collective costs beyond its own time because the ranks must meet for it: every
     rank runs a chunk of compute (32 matmuls of 384 x 384, some 20 ms of one core's) and then a
@@ -190,11 +230,15 @@ def meeting_cost(iterations: int = 30) -> float:
 
 
 def _fit(points: list[tuple[int, float]]) -> dict:
-    """Least squares t = latency + bytes / bandwidth (latency at least 0)."""
-    xs, ys = [p[0] for p in points], [p[1] for p in points]
+    """t = latency + bytes / bandwidth: the latency the median time of the sizes up to 64 KiB (where
+    the bytes cost next to nothing: one disturbed size among three does not move it), the bandwidth
+    the least-squares slope over the sizes from 1 MiB (where they cost most of it); all points kept."""
+    small = [y for x, y in points if x <= 64 << 10]
+    large = [(x, y) for x, y in points if x >= 1 << 20] or points
+    xs, ys = [p[0] for p in large], [p[1] for p in large]
     mx, my = statistics.mean(xs), statistics.mean(ys)
-    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
-    latency = max(0.0, my - slope * mx)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs) if len(xs) > 1 else 0.0
+    latency = statistics.median(small) if small else max(0.0, my - slope * mx)
     return {"latency_s": latency, "bandwidth": 1.0 / slope if slope > 0 else float("inf"),
             "points": [[x, y] for x, y in points]}
 
@@ -214,8 +258,12 @@ def _worker(rank: int, world: int, init: str, out_dir: str) -> None:
         dist.barrier()
         figures["op_overhead_s"] = op_overhead(figures["memory_bandwidth"])
         dist.barrier()
+        figures["table"] = measure_table()
+        dist.barrier()
         if world > 1:
             figures["gloo"] = {str(world): gloo_fits(world)}
+            dist.barrier()
+            figures["queued_s"] = queued_cost(figures["gloo"][str(world)], world)
             dist.barrier()
             figures["meeting_s"] = meeting_cost()
         with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
@@ -235,7 +283,8 @@ def measure(ranks: int) -> dict:
         init = "file://" + os.path.join(d, "store")
         mp.start_processes(_worker, args=(ranks, init, d), nprocs=ranks, start_method="spawn")
         per_rank = [json.load(open(os.path.join(d, f"rank{r}.json"))) for r in range(ranks)]
-    out = {k: statistics.median(p[k] for p in per_rank) for k in per_rank[0] if k != "gloo"}
+    out = {k: statistics.median(p[k] for p in per_rank) for k in per_rank[0] if k not in ("gloo", "table")}
+    out.update(merge_tables([p["table"] for p in per_rank]))  # kernels, host_s_per_kernel
     if ranks > 1:
         out["gloo"] = {kind: {str(ranks): per_rank[0]["gloo"][str(ranks)][kind]} for kind in KINDS}
     return out
@@ -278,8 +327,10 @@ def cli_main(argv: list[str]) -> int:
         print(f"{n} rank(s): matmul fp32 {c['matmul_fp32'] / 1e9:.1f} GFLOP/s, bf16 {c['matmul_bf16'] / 1e9:.1f}, "
               f"attention {c['attention_fp32'] / 1e9:.1f}, memory {c['memory_bandwidth'] / 1e9:.1f} GB/s, "
               f"fused AdamW {c['fused_adamw_bandwidth'] / 1e9:.1f} GB/s, "
-              f"{c['op_overhead_s'] * 1e6:.1f} us per kernel"
-              + (f", {c['meeting_s'] * 1e3:.2f} ms per meeting" if "meeting_s" in c else ""))
+              f"{c['op_overhead_s'] * 1e6:.1f} us per kernel, {len(c['kernels'])} kinds of kernel timed "
+              f"(+{c['host_s_per_kernel'] * 1e6:.1f} us of host each)"
+              + (f", {c['meeting_s'] * 1e3:.2f} ms per meeting, +{c['queued_s'] * 1e3:.2f} ms per queued "
+                 "collective" if "meeting_s" in c else ""))
     for kind, by_size in result["ranks"][str(counts[-1])]["gloo"].items():
         print(f"gloo {kind}: " + ", ".join(f"{n} ranks {f['latency_s'] * 1e6:.0f} us + bytes / "
                                            f"{f['bandwidth'] / 1e9:.2f} GB/s" for n, f in sorted(by_size.items())))

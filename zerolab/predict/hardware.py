@@ -46,6 +46,9 @@ class Device:
     kernel_bandwidth: dict = field(default_factory=dict)  # cpu: op name -> measured bytes/s where it is not memory's
     meeting_s: float = 0.0  # cpu: what a collective adds because the ranks must meet for it (calibrate.meeting_cost)
     overlap_rate: float = 1.0  # cpu: the speed of compute and of a collective while both run (overlap_rate())
+    queued_s: float = 0.0  # cpu: what a collective adds behind others in flight (calibrate.queued_cost)
+    kernel_table: dict = field(default_factory=dict)  # cpu: op name -> its measured ops (zerolab.predict.kernels)
+    host_s_per_kernel: float = 0.0  # cpu: host time beyond the measured ops, per kernel (kernels.measure_table)
 
     def peak(self, dtype: str) -> float:
         return self.flops.get(dtype) or self.flops["fp32"]
@@ -76,6 +79,13 @@ DEVICES = {d.name: d for d in (
            "torchtitan benchmarks/llama3_h100_202412_torchtitan.md: 96GB HBM2e, 2.4 TB/s, 400 Gb/s RDMA per GPU, "
            "500 W; its peak FLOP/s is not published ('between SXM and NVL'): the H100 SXM's is used, as torchtitan's "
            "MFU does", "nvlink4", "roce-400"),
+    # The 24 GB card of a one-GPU job (README's 13B-with-offload plan). No kernel rates of its own
+    # (zerolab.predict.gpu.KERNELS): priced at `achievable` of each peak. Training accumulates in
+    # fp32, and on this GeForce part fp32 accumulation runs at half the fp16-accumulate rate.
+    Device("rtx4090", "NVIDIA GeForce RTX 4090 24GB", {"bf16": 165.2e12, "fp16": 165.2e12, "fp32": 82.6e12},
+           1008e9, 24 * 10**9, "NVIDIA 'NVIDIA Ada GPU Architecture' whitepaper (2023), Appendix A, GeForce RTX "
+           "4090: BF16/FP16 tensor 165.2 TFLOPS dense with FP32 accumulate (330.3 with FP16 accumulate), FP32 82.6, "
+           "GDDR6X 1,008 GB/s, 24 GB, PCIe 4.0 x16, no NVLink", "pcie4", "eth-100"),
 )}
 
 LINKS = {k.name: k for k in (
@@ -129,7 +139,8 @@ def cpu_device(ranks: int, path: str = "") -> Device:
                   kernel_flops={name: c["attention_fp32"] for name in ATTENTION_KERNELS},
                   kernel_bandwidth={name: c["fused_adamw_bandwidth"] for name in FUSED_ADAM_KERNELS
                                     if "fused_adamw_bandwidth" in c},  # (an older calibration file lacks it)
-                  meeting_s=c.get("meeting_s", 0.0),
+                  meeting_s=c.get("meeting_s", 0.0), queued_s=c.get("queued_s", 0.0), kernel_table=c.get("kernels", {}),
+                  host_s_per_kernel=c.get("host_s_per_kernel", 0.0),  # (an older calibration file lacks both)
                   overlap_rate=overlap_rate(int(cal.get("cores") or os.cpu_count() or 1), ranks))
 
 

@@ -17,7 +17,8 @@ from dataclasses import asdict, dataclass, field
 
 from zerolab.predict.gpu import KERNELS, kernel_seconds
 from zerolab.predict.hardware import Device
-from zerolab.predict.record import Op, StepRecord
+from zerolab.predict.kernels import table_seconds
+from zerolab.predict.record import HOST, Op, StepRecord
 from zerolab.predict.timeline import replay
 from zerolab.predict.topology import Network
 
@@ -48,9 +49,15 @@ class Prediction:
 
 
 def op_seconds(op: Op, dev: Device) -> float:
+    if op.name.startswith(HOST):  # a host section of the strategy's Python (zerolab.predict.sections)
+        return op.host_s if dev.host_sync else 0.0  # on a GPU the host runs ahead of the device
     kinds = None if dev.host_sync else KERNELS.get(dev.name)
     if kinds is not None:
         return kernel_seconds(op, dev, kinds)
+    measured = table_seconds(op.name, op.flops, op.bytes, op.kernels, op.dims, dev.kernel_table) \
+        if dev.kernel_table else None
+    if measured is not None:  # this CPU's own kernels of that name, nearest in shape (zerolab.predict.kernels)
+        return measured + dev.host_s_per_kernel * op.kernels
     a = dev.achievable
     compute = op.flops / (dev.kernel_flops.get(op.name) or dev.peak(op.dtype) * a) if op.flops else 0.0
     bandwidth = dev.kernel_bandwidth.get(op.name) or dev.memory_bandwidth * a
@@ -63,8 +70,7 @@ def predict(record: StepRecord, topo: Network, tokens_per_rank: int, flops_per_t
     dev = topo.device
     priced = {c.index: topo.price(c.kind, c.bytes, c.ranks) for c in record.collectives}
     r = replay(record, lambda op: op_seconds(op, dev), lambda c: priced[c.index].seconds, streams=not dev.host_sync,
-               meeting_s=dev.meeting_s,
-               overlap_rate=dev.overlap_rate)
+               meeting_s=dev.meeting_s, overlap_rate=dev.overlap_rate, queued_s=dev.queued_s)
     per_device = tokens_per_rank / r.step_s if r.step_s > 0 else 0.0
     mfu = per_device * flops_per_token / dev.peak(dtype) if dev.peak(dtype) else 0.0
     return Prediction(dev.name, topo.describe(), topo.world, dtype, r.step_s, r.parts, per_device, mfu, r.comm_s,
@@ -108,12 +114,18 @@ def assumptions(dev: Device, topo: Network, dtype: str) -> list[str]:
     out = [f"device: {dev.label}: {dev.peak(dtype) / 1e12:g} TFLOP/s {dtype} peak, "
            f"{dev.memory_bandwidth / 1e9:g} GB/s memory ({dev.source})",
            rates,
-           "each op: max(FLOPs / its kind's FLOP/s, bytes / bandwidth)"
+           (f"each op at the rate of this CPU's measured ops of its name nearest in shape ({len(dev.kernel_table)} "
+            f"kinds, from reference training steps: zerolab/predict/kernels.py) + "
+            f"{dev.host_s_per_kernel * 1e6:.1f} us of host per kernel; any other op: " if dev.kernel_table else
+            "each op: ")
+           + "max(FLOPs / its kind's FLOP/s, bytes / bandwidth)"
            + (f" + {dev.op_overhead_s * 1e6:.1f} us per kernel" if dev.op_overhead_s else "")
            + (f"; the fused AdamW kernel at {dev.kernel_bandwidth['_fused_adamw_'] / 1e9:.1f} GB/s (measured)"
               if "_fused_adamw_" in dev.kernel_bandwidth else ""),
            f"links: {topo.describe()}" + (f"; each collective + {dev.meeting_s * 1e3:.2f} ms for the ranks to meet "
-                                          f"(measured: ranks sharing cores arrive apart)" if dev.meeting_s else ""),
+                                          f"(measured: ranks sharing cores arrive apart)" if dev.meeting_s else "")
+           + (f"; + {dev.queued_s * 1e3:.2f} ms where it is issued behind others in flight (measured)"
+              if dev.queued_s else ""),
            (("overlap: one timeline on the host; a collective runs on gloo's threads from its issue to its wait, "
              + ("beside the compute at no cost" if dev.overlap_rate >= 1 else
                 f"sharing the cores with the compute: both at x{dev.overlap_rate:g} of their speed while both run"))

@@ -32,7 +32,7 @@ from types import SimpleNamespace
 from zerolab.predict.gpu import FITTED_ON
 from zerolab.predict.hardware import DEVICES, LINKS
 from zerolab.predict.model import Prediction, predict
-from zerolab.predict.record import Collective, Op, StepRecord, Sync, Wait
+from zerolab.predict.record import HOST, Collective, Op, StepRecord, Sync, Wait
 from zerolab.predict.topology import Network
 
 EVENTS = {cls.__name__: cls for cls in (Op, Collective, Wait, Sync)}
@@ -115,20 +115,28 @@ def _event(kind: str, fields: list):
     if cls is Collective:
         fields[3] = tuple(fields[3])
     elif cls is Op:
-        fields[-1] = tuple(fields[-1])
+        fields[9] = tuple(fields[9])  # dims
     return cls(*fields)
 
 
 def save(r, path: Path) -> None:
     """What pricing a rehearsal needs, gzipped JSON: its recorded step and shape, and its memory
-    peak (bench/predict_gpu.py keeps them; tests price them without rehearsing)."""
+    peak (bench/predict_gpu.py keeps them; tests price them without rehearsing). Not its host
+    sections: a GPU prices them at nothing, and their times differ from one rehearsal to the next."""
     rec = r.record
+    events = [e for e in rec.events if not (isinstance(e, Op) and e.name.startswith(HOST))]
     data = {"tokens_per_rank": r.tokens_per_rank, "flops_per_token": r.flops_per_token,
             "peak_bytes": r.measured.get("mem/peak_bytes", 0), "streams": rec.streams,
             "events_recorded": rec.events_recorded, "unpriced": dict(rec.unpriced),
-            "events": [[type(e).__name__, list(dataclasses.astuple(e))] for e in rec.events]}
+            "events": [[type(e).__name__, _fields(e)] for e in events]}
     with gzip.open(path, "wt") as f:
         json.dump(data, f)
+
+
+def _fields(e) -> list:
+    """An event's fields as saved: an op's without host_s (0: host sections are not saved)."""
+    fields = list(dataclasses.astuple(e))
+    return fields[:10] if isinstance(e, Op) else fields
 
 
 def load(path: Path) -> SimpleNamespace:

@@ -25,7 +25,9 @@ Where it hooks, and why there:
   CPU, where they do nothing): which stream each op, collective and wait is issued on, and the
   events and stream waits between them, so a GPU's streams can be replayed (zerolab.predict.timeline);
 - phases: a forward pre-hook on the model and wrappers on the strategy's backward and step (as
-  zerolab.profile's Phases): forward, backward, optimizer, and other (the rest of train_step).
+  zerolab.profile's Phases): forward, backward, optimizer, and other (the rest of train_step);
+- the strategy's own Python: its hooks, step and backward, and the trainer's between the phases,
+  timed as host sections (zerolab.predict.sections), each an op without kernels.
 
 Collectives still in flight at the end of a step (zero1/2's all-gathers, waited for in the next
 forward) are waited for in the next step's record as `Wait(carried=True)`, by their index among
@@ -46,9 +48,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from zerolab.models import find_blocks
 from zerolab.predict.ops import cost, gemm_dims, memory_bound, tensor_bytes
+from zerolab.predict.sections import HostSections
+from zerolab.predict.streams import patch_streams
 from zerolab.profile.commwatch import COLLECTIVES
 
 PHASES = ("forward", "backward", "optimizer", "other")
+HOST = "host:"  # the name of a host section's op (zerolab.predict.sections)
 # ProcessGroup method -> the collective's kind (the names the time model prices)
 KINDS = {"allreduce": "all_reduce", "allreduce_coalesced": "all_reduce", "allgather": "all_gather",
          "allgather_coalesced": "all_gather", "allgather_into_tensor_coalesced": "all_gather",
@@ -77,6 +82,7 @@ class Op:
     dtype: str  # the compute dtype of an op with FLOPs ("" for the rest)
     block: int  # the repeated block (zerolab.models.find_blocks) whose module issued it, -1 outside one
     dims: tuple = ()  # a matmul's (batch, m, n, k) (ops.gemm_dims): a GPU's rate depends on its shape
+    host_s: float = 0.0  # a host section (name HOST + what): the Python it ran, timed in the dry run (no kernel)
 
 
 @dataclass(slots=True)
@@ -123,20 +129,25 @@ class _OpMode(TorchDispatchMode):
         self.recorder = recorder
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if any(issubclass(t, DTensor) for t in types):  # (types: the tensor subclasses among the arguments)
-            # DTensor's own dispatch goes first: its local ops and the collectives it issues to
-            # redistribute (a Partial sum's all-reduce) come back here, each recorded as it runs.
-            return NotImplemented
-        out = func(*args, **kwargs)
         rec = self.recorder
-        if rec.step is not None:
-            ns = func.namespace
-            if ns == "_c10d_functional":
-                rec.functional(func, args, out)
-            elif ns not in _SKIP_NAMESPACES:
-                rec.op(func, args, kwargs, out)
-        return out
+        rec.dispatches += 1
+        t0 = rec.enter()
+        try:
+            kwargs = kwargs or {}
+            if any(issubclass(t, DTensor) for t in types):  # (types: the tensor subclasses among the arguments)
+                # DTensor's own dispatch goes first: its local ops and the collectives it issues to
+                # redistribute (a Partial sum's all-reduce) come back here, each recorded as it runs.
+                return NotImplemented
+            out = func(*args, **kwargs)
+            if rec.step is not None:
+                ns = func.namespace
+                if ns == "_c10d_functional":
+                    rec.functional(func, args, out)
+                elif ns not in _SKIP_NAMESPACES:
+                    rec.op(func, args, kwargs, out)
+            return out
+        finally:
+            rec.leave(t0)
 
 
 class Recorder:
@@ -156,6 +167,10 @@ class Recorder:
         self.event_ids: dict[int, tuple] = {}  # id(event) -> (event, the step record, its number there)
         self.saved: list = []
         self.seconds = 0.0  # time spent recording (what it adds to the dry run)
+        # host sections (HostSections): time inside the dispatcher's handler and the process group's
+        # wrappers, and how many dispatches, so a section's own Python is its wall time less them
+        self.inside_s, self.dispatches, self.depth = 0.0, 0, 0
+        self.host = HostSections(self)
 
     # ---- installing ----------------------------------------------------------------------------
     def __enter__(self):
@@ -168,15 +183,19 @@ class Recorder:
             if "wait" in vars(cls):
                 self._patch(cls, "wait", self._waiter)
         self._patch(Work, "get_future", self._future)
-        self._patch_streams()
+        patch_streams(self)
+        self.host.wrap_hooks(self.model)  # before the recorder's own hooks below: those are not the program's
         self.hooks = [self.model.register_forward_pre_hook(self._forward, prepend=True), *self._block_hooks()]
         self._wrap_strategy()
+        self._patch(torch.autograd, "backward", self.host.engine)
         self.mode = _OpMode(self)
         self.mode.__enter__()
+        self.host.measure_dispatch()
         return self
 
     def __exit__(self, *exc):
         self.mode.__exit__(*exc)
+        self.host.unwrap_hooks()
         for h in self.hooks:
             h.remove()
         for cls, name, raw in reversed(self.saved):
@@ -198,17 +217,22 @@ class Recorder:
         def recorded_backward(loss, *args, **kwargs):
             rec.phase, rec.in_backward = "backward", True
             try:
-                return backward(loss, *args, **kwargs)
+                with rec.host.section("strategy.backward"):  # less the autograd engine's run (HostSections.engine)
+                    return backward(loss, *args, **kwargs)
             finally:
                 rec._consumer_waits()
                 rec.phase, rec.in_backward = "other", False
+                rec.host.open_other()
 
         def recorded_step(*args, **kwargs):
+            rec.host.close_other()
             rec.phase = "optimizer"
             try:
-                return step(*args, **kwargs)
+                with rec.host.section("strategy.step"):
+                    return step(*args, **kwargs)
             finally:
                 rec.phase = "other"
+                rec.host.open_other()
 
         self.saved.append((s, "backward", vars(s).get("backward")))
         self.saved.append((s, "step", vars(s).get("step")))
@@ -233,16 +257,34 @@ class Recorder:
 
     def _forward(self, module, args) -> None:
         if not self.in_backward:  # (a checkpointed block's recomputation runs inside backward)
+            self.host.close_other()
             self.phase = "forward"
+
+    def host_op(self, what: str, phase: str, seconds: float) -> None:
+        """A host section's time as an op without kernels (zerolab.predict.sections)."""
+        if self.step is not None:
+            self.step.events.append(Op(f"{HOST}{what}", phase, 0, 0.0, 0, 0, True, "", -1, (), seconds))
+
+    def enter(self) -> float:
+        """The dispatcher's handler or a process group's wrapper starts: time not the program's own."""
+        self.depth += 1
+        return time.perf_counter()
+
+    def leave(self, t0: float) -> None:
+        self.depth -= 1
+        if self.depth == 0:  # (a collective may dispatch ops inside its wrapper: counted once)
+            self.inside_s += time.perf_counter() - t0
 
     # ---- one step ------------------------------------------------------------------------------
     @contextmanager
     def step_record(self):
         self.step = StepRecord()
         t0 = time.perf_counter()
+        self.host.open_other()
         try:
             yield self.step
         finally:
+            self.host.close_other()
             rec, self.step = self.step, None
             rec.streams = max(len(self.stream_ids) + 1, 1)
             self.before, self.previous = self.previous, rec
@@ -310,6 +352,13 @@ class Recorder:
 
         def make(original):
             def collective(pg, *args, **kwargs):
+                t0 = rec.enter()
+                try:
+                    return launch(original, pg, *args, **kwargs)
+                finally:
+                    rec.leave(t0)
+
+            def launch(original, pg, *args, **kwargs):
                 work = original(pg, *args, **kwargs)
                 if rec.step is not None and kind != "barrier":
                     nbytes = max(_bytes_of(args[0]) if args else 0, _bytes_of(args[1]) if len(args) > 1 else 0)
@@ -326,10 +375,14 @@ class Recorder:
         rec = self
 
         def wait(work, *args, **kwargs):
-            entry = rec.live.pop(id(work), None)
-            if entry is not None:
-                rec.waited(entry)
-            return original(work, *args, **kwargs)
+            t0 = rec.enter()
+            try:
+                entry = rec.live.pop(id(work), None)
+                if entry is not None:
+                    rec.waited(entry)
+                return original(work, *args, **kwargs)
+            finally:
+                rec.leave(t0)
         return wait
 
     def _future(self, original):
@@ -342,65 +395,10 @@ class Recorder:
             return original(work)
         return get_future
 
-    # ---- streams (torch.cpu's stand-ins for a device's) -----------------------------------------
-    def _patch_streams(self) -> None:
-        rec = self
-        stream_cls, event_cls = torch.cpu.Stream, torch.cpu.Event
-
-        def sync(what: str, stream: int, target: int, carried: bool = False) -> None:
-            if rec.step is not None:
-                rec.step.events.append(Sync(what, stream, target, carried))
-
-        def waited_event(stream, event) -> None:
-            entry = rec.event_ids.get(id(event))
-            if entry is not None and rec.step is not None and entry[1] in (rec.step, rec.previous):
-                sync("wait_event", stream, entry[2], entry[1] is not rec.step)
-
-        def stream_id(s) -> int:
-            if s is None or s is torch.cpu._default_cpu_stream:
-                return 0
-            return rec.stream_ids.setdefault(id(s), len(rec.stream_ids) + 1)
-
-        def event_record(original):
-            def record(event, stream=None):
-                # each record is a new point in time, numbered in its step; the object is kept (its id is not reused)
-                if rec.step is not None:
-                    rec.step.events_recorded += 1
-                    rec.event_ids[id(event)] = (event, rec.step, rec.step.events_recorded)
-                    sync("record", stream_id(stream) if stream is not None else rec._stream(), rec.step.events_recorded)
-                return original(event, stream)
-            return record
-
-        def record_event(original):
-            def make_event(stream):
-                event = event_cls()
-                event.record(stream)
-                return event
-            return make_event
-
-        def wait_event(original):
-            def wait(stream, event):
-                waited_event(stream_id(stream), event)
-                return original(stream, event)
-            return wait
-
-        def event_wait(original):
-            def wait(event, stream=None):
-                waited_event(stream_id(stream) if stream is not None else rec._stream(), event)
-                return original(event, stream)
-            return wait
-
-        def wait_stream(original):
-            def wait(stream, other):
-                sync("wait_stream", stream_id(stream), stream_id(other))
-                return original(stream, other)
-            return wait
-
-        self._patch(event_cls, "record", event_record)
-        self._patch(event_cls, "wait", event_wait)
-        self._patch(stream_cls, "record_event", record_event)
-        self._patch(stream_cls, "wait_event", wait_event)
-        self._patch(stream_cls, "wait_stream", wait_stream)
+    # ---- streams (torch.cpu's stand-ins for a device's: zerolab.predict.streams) -------------------
+    def sync(self, what: str, stream: int, target: int, carried: bool = False) -> None:
+        if self.step is not None:
+            self.step.events.append(Sync(what, stream, target, carried))
 
 
 def record_steps(trainer, first: int) -> tuple[StepRecord, StepRecord]:

@@ -1,11 +1,13 @@
 """A run directory's job and its measured parts, for the prediction of the same run beside them.
 
 `read_run(run_dir)` gives what the time model needs to predict a finished run (its validated
-config from config.yaml, its world size) and what the run measured on its profiled steps
-(summary.json's time_per_rank, averaged over the ranks). zerolab.rehearsal.predict_run rehearses
-that config and prices it; `comparison` lays the prediction beside the measurement, part by part,
-as `python -m zerolab compare` shows a profiled step's parts; `comparison_table` writes it as
-report.md's table and `plot_comparison` draws it.
+config from config.yaml, its world size) and what the run measured on its profiled steps (the
+median over its profiled steps and ranks of each part, from metrics.jsonl; summary.json's means
+where the run logged no per-step parts). zerolab.rehearsal.predict_run rehearses that config and
+prices it; `comparison` lays the prediction beside the measurement, part by part, as `python -m
+zerolab compare` shows a profiled step's parts (with the measurement's 95 % interval where the
+caller has one: the report pools a job's rounds); `comparison_table` writes it as report.md's table
+and `plot_comparison` draws it.
 """
 from __future__ import annotations
 
@@ -35,6 +37,7 @@ def read_run(run_dir: str) -> RunJob:
     from omegaconf import OmegaConf
 
     from zerolab.config import validate
+    from zerolab.run.metrics import read_jsonl
     from zerolab.schema import Config
 
     summary_path, config_path = os.path.join(run_dir, "summary.json"), os.path.join(run_dir, "config.yaml")
@@ -45,38 +48,60 @@ def read_run(run_dir: str) -> RunJob:
         summary = json.load(f)
     world = int(summary["world_size"])
     cfg = validate(OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.load(config_path)), world)
-    measured = {}
+    metrics = os.path.join(run_dir, "metrics.jsonl")
+    rows = [{p: m[f"rank{r}/{key}"] for p, key in MEASURED_KEYS.items()}
+            for m in (read_jsonl(metrics) if os.path.exists(metrics) else []) for r in range(world)
+            if f"rank{r}/time/step_s" in m]
     ranks = summary.get("time_per_rank") or []
-    if ranks:  # profile.steps was set: the profiled steps' parts on every rank
+    if rows:  # the profiled steps of every rank: the median of each part
+        measured = {p: statistics.median(row[p] for row in rows) for p in MEASURED_KEYS}
+    elif ranks:  # a run whose profiled steps' parts are in its summary only (means per rank)
         measured = {p: statistics.mean(r[key] for r in ranks) for p, key in MEASURED_KEYS.items()}
     elif summary.get("step_time_p50_s"):
         measured = {"step": summary["step_time_p50_s"]}
+    else:
+        measured = {}
     return RunJob(run_dir, cfg, world, cfg.strategy.name, measured)
 
 
-def comparison(p: Prediction, job: RunJob) -> dict:
-    """Predicted beside measured, in seconds, per part and for the step; ratio = predicted / measured."""
-    rows = {part: {"predicted": p.parts[part], "measured": job.measured.get(part)} for part in PARTS}
-    rows["step"] = {"predicted": p.step_s, "measured": job.measured.get("step")}
-    for r in rows.values():
-        r["ratio"] = r["predicted"] / r["measured"] if r["measured"] else None
+def comparison(p: Prediction, job: RunJob, measured: dict | None = None) -> dict:
+    """Predicted beside measured, in seconds, per part and for the step; ratio = predicted / measured.
+    `measured`: part or "step" -> {"median", "lo", "hi"} (a 95 % interval: the report's, pooled over
+    a job's rounds), else the run's own medians (read_run) without an interval."""
+    measured = measured or {k: {"median": v} for k, v in job.measured.items()}
+    rows = {}
+    for part, pred in ((part, p.parts[part]) for part in PARTS):
+        rows[part] = _row(pred, measured.get(part, {}))
+    rows["step"] = _row(p.step_s, measured.get("step", {}))
     return {"run_dir": job.run_dir, "strategy": job.strategy, "world": job.world, "hardware": p.hardware,
             "parts": rows, "assumptions": p.assumptions}
 
 
+def _row(pred: float, m: dict) -> dict:
+    """One cell: the prediction, the measured median and its interval, and their ratios (the ratio's
+    interval is the prediction over the measurement's bounds)."""
+    got, lo, hi = m.get("median"), m.get("lo"), m.get("hi")
+    return {"predicted": pred, "measured": got, "lo": lo, "hi": hi,
+            "ratio": pred / got if got else None,
+            "ratio_lo": pred / hi if hi else None, "ratio_hi": pred / lo if lo else None}
+
+
 def comparison_table(rows: list[dict]) -> str:
-    """report.md's table: per run, each part and the step, predicted beside measured (ms), and the
-    ratio of the steps; then the model's assumptions (of the first row: one machine, one model)."""
+    """report.md's table: per run, each part and the step, predicted beside measured (ms, the
+    measured median with its 95 % interval where known), and the ratio of the steps with its
+    interval; then the model's assumptions (of the first row: one machine, one model)."""
     lines = ["The time model's prediction for each profiled run (its own config, rank 0 rehearsed, priced on "
              "the hardware named; a prediction is a model, not a measurement: docs/predict.md), predicted / "
-             "measured in ms.", "",
-             "| run | hardware | " + " | ".join(PARTS) + " | step | predicted ÷ measured |",
+             "measured in ms: the measured median of the profiled steps and ranks of every round, its 95 % "
+             "interval in brackets. The ratio's interval is the measurement's, not the model's.", "",
+             "| run | hardware | " + " | ".join(PARTS) + " | step | predicted ÷ measured [95 %] |",
              "|---|---|" + "---|" * (len(PARTS) + 2)]
     for row in rows:
         cells = [_pair(row["parts"][part]) for part in (*PARTS, "step")]
-        ratio = row["parts"]["step"]["ratio"]
-        lines.append(f"| {row.get('label', row['strategy'])} | {row['hardware']} | {' | '.join(cells)} | "
-                     f"{'-' if ratio is None else f'{ratio:.2f}'} |")
+        step = row["parts"]["step"]
+        ratio = "-" if step["ratio"] is None else f"{step['ratio']:.2f}" + (
+            f" [{step['ratio_lo']:.2f}, {step['ratio_hi']:.2f}]" if step.get("ratio_lo") else "")
+        lines.append(f"| {row.get('label', row['strategy'])} | {row['hardware']} | {' | '.join(cells)} | {ratio} |")
     if rows:
         lines += ["", "Assumptions:", *(f"- {a}" for a in rows[0]["assumptions"])]
     return "\n".join(lines)
@@ -84,6 +109,8 @@ def comparison_table(rows: list[dict]) -> str:
 
 def _pair(cell: dict) -> str:
     measured = "-" if cell["measured"] is None else f"{cell['measured'] * 1e3:.1f}"
+    if cell.get("lo") is not None and cell.get("hi") is not None:
+        measured += f" [{cell['lo'] * 1e3:.1f}, {cell['hi'] * 1e3:.1f}]"
     return f"{cell['predicted'] * 1e3:.1f} / {measured}"
 
 

@@ -13,7 +13,9 @@ The rules (one compute timeline, one communication timeline per process group):
   the gap it leaves on the compute stream, is exposed communication.
 
 Collectives on one group are serialized: two that shared its links at once would take as long
-together.
+together. On gloo a collective issued while others are still in flight also costs `queued_s`
+more (calibrated: each of many small collectives issued at once takes longer than it does alone,
+as gloo's threads hand each one over between the ranks).
 
 A collective ends when the last rank has joined it. Where ranks share cores (more ranks than cores
 on a CPU), they reach it apart: `meeting_s` (calibrated) after its issue, on average. It does not
@@ -56,14 +58,16 @@ class Replay:
 
 
 def replay(record: StepRecord, op_seconds, coll_seconds, streams: bool, overlap_rate: float = 1.0,
-           meeting_s: float = 0.0) -> Replay:
+           meeting_s: float = 0.0, queued_s: float = 0.0) -> Replay:
     """`op_seconds(op)`, `coll_seconds(collective)`: their priced times. `streams`: a GPU's
     streams (False: a CPU, where everything runs on the host's one timeline). `overlap_rate` < 1:
     a CPU's shared cores (the module docstring). `meeting_s`: how long after its issue the last
-    rank joins a collective (ranks sharing cores: the module docstring)."""
+    rank joins a collective (ranks sharing cores: the module docstring). `queued_s`: what a
+    collective adds when it is issued while others are still in flight (gloo: the module docstring)."""
     durations = [op_seconds(e) if isinstance(e, Op) else coll_seconds(e) if isinstance(e, Collective) else 0.0
                  for e in record.events]
-    sim = _Sim(streams, meeting_s) if streams or overlap_rate >= 1 else _SharedCores(overlap_rate, meeting_s)
+    sim = _Sim(streams, meeting_s, queued_s) if streams or overlap_rate >= 1 else \
+        _SharedCores(overlap_rate, meeting_s, queued_s)
     starts = []
     for tile in range(REPEATS):
         starts.append(sim.ready[0])
@@ -75,8 +79,8 @@ def replay(record: StepRecord, op_seconds, coll_seconds, streams: bool, overlap_
 
 
 class _Sim:
-    def __init__(self, streams: bool, meeting_s: float = 0.0):
-        self.streams, self.meeting_s = streams, meeting_s
+    def __init__(self, streams: bool, meeting_s: float = 0.0, queued_s: float = 0.0):
+        self.streams, self.meeting_s, self.queued_s = streams, meeting_s, queued_s
         self.ready = defaultdict(float)  # stream -> when the work issued on it so far is done
         self.why = {}  # stream -> the collective kind its ready time waits for, if a wait set it
         self.group_free = defaultdict(float)  # group's ranks -> when its last collective ends
@@ -94,6 +98,8 @@ class _Sim:
                 if measured and s == 0:
                     self.parts[PART_OF_PHASE[e.phase]] += d
             elif isinstance(e, Collective):
+                if self.group_free[e.ranks] > self.ready[s]:  # behind another of its group
+                    d += self.queued_s
                 start = max(self.ready[s] + self.meeting_s, self.group_free[e.ranks])
                 self.group_free[e.ranks] = start + d
                 self.ends[tile, e.index] = (start + d, e.kind)
@@ -127,8 +133,8 @@ class _Sim:
 class _SharedCores(_Sim):
     """One host whose cores the compute and gloo's threads share (the module docstring)."""
 
-    def __init__(self, rate: float, meeting_s: float = 0.0):
-        super().__init__(streams=False, meeting_s=meeting_s)
+    def __init__(self, rate: float, meeting_s: float = 0.0, queued_s: float = 0.0):
+        super().__init__(streams=False, meeting_s=meeting_s, queued_s=queued_s)
         self.rate = rate
         self.queue: dict = {}  # (tile, index) -> [collective seconds left, kind], in issue order
         self.earliest: dict = {}  # (tile, index) -> (its issue + the meeting + its own time, kind)
@@ -141,6 +147,7 @@ class _SharedCores(_Sim):
                 if measured:
                     self.parts[PART_OF_PHASE[e.phase]] += x / self.rate + (d - x)
             elif isinstance(e, Collective):
+                d += self.queued_s if self.queue else 0.0  # behind collectives still in flight
                 self.queue[tile, e.index] = [d, e.kind]
                 self.earliest[tile, e.index] = (self.ready[0] + self.meeting_s + d, e.kind)
             elif isinstance(e, Wait):

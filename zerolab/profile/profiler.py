@@ -21,6 +21,15 @@ def _mark(name: str, on: bool):
     return torch.profiler.record_function(name) if on else NULL
 
 
+def profiled_steps(steps, every: int, max_steps: int) -> list[int]:
+    """The 1-based steps profiled: `steps`, and with `every` the steps after the last of them at that
+    interval, to `max_steps` (profile.every)."""
+    out = set(steps)
+    if every and steps:
+        out.update(range(max(steps) + every, max_steps + 1, every))
+    return sorted(out)
+
+
 class Phases:
     """The compute windows (the model's forward pre-hook to the strategy's backward returning,
     one per micro-batch) and the optimizer window (the strategy's step) of one profiled step:
@@ -89,7 +98,8 @@ class StepProfiler:
     def __init__(self, cfg: Config, ctx, model: nn.Module, run_dir: str, dtype: torch.dtype):
         """`model`: the module about to be trained, before the strategy wraps or shards it.
         Collective when the peak is measured (every rank measures at once)."""
-        self.ctx, self.steps = ctx, frozenset(cfg.profile.steps)
+        self.ctx, self.steps = ctx, frozenset(profiled_steps(cfg.profile.steps, cfg.profile.every,
+                                                              cfg.trainer.max_steps))
         self.flops = flops_per_token(model, cfg.model.block_size)
         self.peak = peak_flops(cfg.trainer.peak_flops, ctx, dtype)
         self.tokens_per_device = global_batch(cfg, ctx.world_size) * cfg.model.block_size / ctx.world_size

@@ -51,9 +51,11 @@ BREAKDOWN = ("The profiled steps (profile.steps; zerolab/profile/, docs/profile.
              "disjoint parts that add up to the step: compute (forward and backward), optimizer (clip and step), "
              "exposed communication (the rank waited for a collective: on CPU/gloo the host inside a wait; on CUDA "
              "communication kernels not overlapped by compute) and other (data, host work). Comm in flight is all the "
-             "time some collective was running; hidden is the share of it that overlapped other work. Means over the "
-             "profiled steps and ranks (the worst rank's exposed communication in brackets). MFU: model FLOPs "
-             "(6N + 12·L·d·T per token) per second per device over the peak in summary.json (peak_flops, "
+             "time some collective was running; hidden is the share of it that overlapped other work. Medians over "
+             "the profiled steps and ranks of every round, each with its 95 % interval in brackets (a bootstrap over "
+             "the rounds, then their steps: what moves between runs of the job is in it); the parts' medians add up "
+             "to the step's nearly, not exactly. The worst rank's exposed communication is its own median. MFU: "
+             "model FLOPs (6N + 12·L·d·T per token) per second per device over the peak in summary.json (peak_flops, "
              "peak_flops_source), median over the logged steps after the first.\n")
 
 
@@ -155,7 +157,7 @@ def log_to_wandb(runs: list[Run], result: dict, mode: str, paths: list[str]) -> 
                      t["lo"], t["hi"], t["verdict"], r.stats["tokens_per_s"], p.get("d_eval_loss"),
                      p.get("max_dlogit"), p.get("max_rel"), p["status"]])
     run.log({"summary": wandb.Table(columns=cols, data=rows)})
-    if result["breakdown"]:  # where the profiled steps went (seconds, means over steps and ranks)
+    if result["breakdown"]:  # where the profiled steps went (seconds, medians over steps and ranks)
         parts = ["step_s", "compute_s", "optimizer_s", "comm_exposed_s", "other_s", "comm_s", "hidden"]
         run.log({"breakdown": wandb.Table(columns=["run", *parts],
                                           data=[[k, *(b[p] for p in parts)] for k, b in result["breakdown"].items()])})
@@ -174,8 +176,8 @@ def cli_main(argv: list[str]) -> int:
     p.add_argument("--predict", default="auto", choices=CHOICES,
                    help="the time model's prediction beside each profiled run (docs/predict.md): auto (default: "
                         "on this machine's calibration, measured first, once, where there is none: python -m "
-                        "zerolab.predict calibrate, about a minute), calibrated (only where one exists), cpu "
-                        "(refused without one), none")
+                        "zerolab.predict calibrate, about a minute and a half), calibrated (only where one "
+                        "exists), cpu (refused without one), none")
     p.add_argument("--fail-on-mismatch", action="store_true", help="exit 1 when a parity check fails")
     args = p.parse_args(argv)
     try:
@@ -193,7 +195,8 @@ def cli_main(argv: list[str]) -> int:
     print(result["table"])
     print(LEGEND)
     if result["breakdown_table"]:
-        print("\nWhere the profiled steps go (means over steps and ranks; report.md says how to read it):\n"
+        print("\nWhere the profiled steps go (medians over steps and ranks, [95 % interval]; report.md says how "
+              "to read it):\n"
               + result["breakdown_table"])
     if result["predicted_table"] or result["predicted_note"]:
         print("\nThe time model beside the profiled steps:\n" + (result["predicted_table"] or result["predicted_note"]))

@@ -237,9 +237,10 @@ PART_NAMES = {"compute_s": "compute (forward + backward)", "optimizer_s": "optim
 
 
 def plot_breakdown(runs: list[Run], out: Path) -> Path:
-    """Stacked bars, one per run: its profiled steps' mean compute, optimizer, exposed
-    communication and other (they add up to the step); above each bar, the time communication
-    was in flight and the share of it hidden behind other work."""
+    """Stacked bars, one per run: its profiled steps' median compute, optimizer, exposed
+    communication and other (they add up to the step's nearly), the step's own median and its 95 %
+    interval as a black bar; above each bar, the time communication was in flight and the share of it
+    hidden behind other work."""
     plt = _plt()
     shown = [r for r in runs if r.stats.get("breakdown")]
     fig, ax = plt.subplots(figsize=(max(9, 1.3 * len(shown) + 5), 4.8))
@@ -249,11 +250,15 @@ def plot_breakdown(runs: list[Run], out: Path) -> Path:
             v = b[part] * 1e3
             ax.bar(i, v, 0.6, bottom=bottom, color=PART_COLORS[part], label=PART_NAMES[part] if i == 0 else None)
             bottom += v
+        lo, hi = (v * 1e3 for v in b["spread"]["step_s"])
+        ax.errorbar(i, b["step_s"] * 1e3, yerr=[[b["step_s"] * 1e3 - lo], [hi - b["step_s"] * 1e3]], fmt="_",
+                    color="k", capsize=4, label="step: median, 95 % interval" if i == 0 else None)
+        bottom = max(bottom, hi)
         hidden = "—" if math.isnan(b["hidden"]) else f"{b['hidden'] * 100:.0f} %"
         ax.annotate(f"comm {b['comm_s'] * 1e3:.0f} ms\nhidden {hidden}", (i, bottom), textcoords="offset points",
                     xytext=(0, 3), ha="center", fontsize=8)
     ax.set_xticks(range(len(shown)), [r.label for r in shown], fontsize=9, rotation=20, ha="right")
-    ax.set(title="where the profiled steps go (mean over steps and ranks)", ylabel="ms per step")
+    ax.set(title="where the profiled steps go (median over steps and ranks)", ylabel="ms per step")
     ax.margins(y=0.18)
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # beside the bars, never over them
     return _save(plt, fig, out / "breakdown.png")

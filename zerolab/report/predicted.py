@@ -6,7 +6,7 @@ rank 0, its step recorded and priced on this machine's calibrated figures
 table and predicted.png. A prediction is a model, not a measurement; its assumptions are printed
 with it. `auto` (the default) predicts on this machine's calibration, and where the machine has
 none yet it calibrates it first, once (`python -m zerolab.predict calibrate`'s measurement with 1,
-2 and 3 ranks, about a minute on 2 cores; written where `--hardware cpu` and every later report
+2 and 3 ranks, about a minute and a half on 2 cores; written where `--hardware cpu` and every later report
 read it), and the report says so, with the time it took and the load around it: the default job's
 report then shows the prediction on a fresh machine. `calibrated` predicts only where the
 calibration exists (and otherwise says how to get it); `cpu` refuses without one; `none` skips.
@@ -24,7 +24,7 @@ log = logging.getLogger("zerolab")
 
 CHOICES = ("auto", "calibrated", "cpu", "none")
 NO_CALIBRATION = ("the time model's prediction is left out: this machine has no calibration yet "
-                  "(`python -m zerolab.predict calibrate` measures it once, in about a minute; then "
+                  "(`python -m zerolab.predict calibrate` measures it once, in about a minute and a half; then "
                   "`python -m zerolab compare` lays the prediction beside every profiled run)")
 
 
@@ -39,7 +39,7 @@ def calibrate_once() -> str:
 
     path = calibration_path()
     log.warning("zerolab compare: this machine has no calibration for the time model yet: measuring it "
-                "once now (python -m zerolab.predict calibrate, about a minute)")
+                "once now (python -m zerolab.predict calibrate, about a minute and a half)")
     t0 = time.perf_counter()
     threads = os.environ.get("OMP_NUM_THREADS")
     try:
@@ -59,6 +59,14 @@ def calibrate_once() -> str:
             f"(`python -m zerolab.predict calibrate`, 1, 2 and 3 ranks; {seconds:.0f} s, load average "
             f"{result['load_average_before']:.1f} before and {result['load_average_after']:.1f} after on "
             f"{os.cpu_count()} cores), into {path}, which later reports and `--hardware cpu` reuse.")
+
+
+def measured_parts(b: dict) -> dict:
+    """The report's breakdown (medians with their 95 % intervals, pooled over a job's rounds) as the
+    time model's comparison reads it: part or "step" -> {"median", "lo", "hi"}."""
+    keys = {"compute": "compute_s", "optimizer": "optimizer_s", "comm_exposed": "comm_exposed_s",
+            "other": "other_s", "step": "step_s"}
+    return {part: {"median": b[k], "lo": b["spread"][k][0], "hi": b["spread"][k][1]} for part, k in keys.items()}
 
 
 def predictions(runs: list, out_dir: Path, mode: str) -> dict:
@@ -89,7 +97,7 @@ def predictions(runs: list, out_dir: Path, mode: str) -> dict:
             return {**empty, "note": measured_now}
     rows, left_out = [], []
     for run in profiled:
-        row = predict_run(str(run.path), "cpu")
+        row = predict_run(str(run.path), "cpu", measured=measured_parts(run.stats["breakdown"]))
         if row is None:  # a strategy the dry run cannot rehearse (DeepSpeed): no step to price
             left_out.append(run.label)
             continue

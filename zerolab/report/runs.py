@@ -12,6 +12,7 @@ from zerolab.comm import theory_bytes_per_step
 from zerolab.accounting import CATEGORIES
 from zerolab.memory.peak import PARTS as PEAK_PARTS  # the split the trainer logs as mem/peak_<part>_bytes
 from zerolab.precision import COMPUTE_BYTES as GRAD_BYTES  # gradients travel in the compute dtype
+from zerolab.report.intervals import median_interval
 from zerolab.stats import percentile
 
 
@@ -169,28 +170,59 @@ def step_times(run: Run) -> list[float]:
 TIME_PARTS = ("compute_s", "optimizer_s", "comm_exposed_s", "other_s")  # disjoint: they add up to step_s
 
 
-def breakdown(runs: list[Run]) -> dict:
-    """Where the profiled steps went, pooled over `runs` (one job's rounds), their steps and ranks:
-    the mean of each part, of comm_s and step_s (seconds), the share of communication time that
-    was hidden behind other work (1 - exposed / in flight), and per rank the same means. {} when
-    no step was profiled."""
-    rows: dict[int, list[dict]] = {}
-    for x in runs:
+BREAKDOWN_KEYS = (*TIME_PARTS, "comm_s", "step_s")
+
+
+def profiled_samples(runs: list[Run]) -> dict[int, list[list[dict]]]:
+    """Each rank's profiled steps (rank{r}/time/... in metrics.jsonl), per run of `runs` (one job's
+    rounds): rank -> [one list per round of {part: seconds}]."""
+    out: dict[int, list[list[dict]]] = {}
+    for i, x in enumerate(runs):
         for m in x.metrics:
             for r in range(x.world):
                 if f"rank{r}/time/step_s" in m:
-                    rows.setdefault(r, []).append({k: float(m[f"rank{r}/time/{k}"])
-                                                   for k in (*TIME_PARTS, "comm_s", "step_s")})
-    if not rows:
-        return {}
+                    rounds = out.setdefault(r, [])
+                    rounds.extend([] for _ in range(i + 1 - len(rounds)))
+                    rounds[i].append({k: float(m[f"rank{r}/time/{k}"]) for k in BREAKDOWN_KEYS})
+    return out
 
-    def means(rs: list[dict]) -> dict:
-        out = {k: statistics.mean(row[k] for row in rs) for k in rs[0]}
+
+def median_spread(rounds: list[list[float]]) -> dict:
+    """The median of samples pooled over rounds and its 95 % interval (zerolab.report.intervals:
+    a bootstrap over the rounds, then the samples of each): what moves between runs of the same job
+    is in it, not only what moves between steps."""
+    pooled = [v for r in rounds for v in r]
+    lo, hi = median_interval(rounds) if pooled else (float("nan"), float("nan"))
+    return {"median": statistics.median(pooled) if pooled else float("nan"), "lo": lo, "hi": hi}
+
+
+def breakdown(runs: list[Run]) -> dict:
+    """Where the profiled steps went, pooled over `runs` (one job's rounds), their steps and ranks:
+    the median of each part, of comm_s and step_s (seconds), each with its 95 % interval
+    (`spread`: part -> (lo, hi)); the share of communication time hidden behind other work
+    (1 - exposed / in flight, of the medians); per rank the same medians. Medians, not means: one
+    step disturbed by something else on the machine moves a mean, not a median; the parts' medians
+    need not add up to the step's exactly. {} when no step was profiled."""
+    by_rank = profiled_samples(runs)
+    if not by_rank:
+        return {}
+    n_rounds = max(len(v) for v in by_rank.values())
+    pooled = [[row for r in sorted(by_rank) for row in (by_rank[r][i] if i < len(by_rank[r]) else [])]
+              for i in range(n_rounds)]
+
+    def medians(rounds: list[list[dict]], spread: bool) -> dict:
+        out, bounds = {}, {}
+        for k in BREAKDOWN_KEYS:
+            m = median_spread([[row[k] for row in rnd] for rnd in rounds]) if spread else \
+                {"median": statistics.median(row[k] for rnd in rounds for row in rnd)}
+            out[k] = m["median"]
+            if spread:
+                bounds[k] = (m["lo"], m["hi"])
         out["hidden"] = 1 - out["comm_exposed_s"] / out["comm_s"] if out["comm_s"] > 0 else float("nan")
-        return out
-    every = [row for r in sorted(rows) for row in rows[r]]
-    return {**means(every), "samples": len(every), "steps": len(every) // len(rows),
-            "per_rank": [means(rows[r]) for r in sorted(rows)]}
+        return {**out, "spread": bounds} if spread else out
+    samples = sum(map(len, pooled))
+    return {**medians(pooled, spread=True), "samples": samples, "rounds": n_rounds,
+            "steps": samples // len(by_rank), "per_rank": [medians(by_rank[r], spread=False) for r in sorted(by_rank)]}
 
 
 def compute_stats(run: Run) -> None:

@@ -110,20 +110,25 @@ def peak_table(runs: list[Run]) -> str:
     return "\n".join(lines)
 
 def breakdown_table(runs: list[Run]) -> str:
-    """Where the profiled steps went, one row per run: the four disjoint parts (they add up to the
-    step), the time some collective was in flight, the share of it hidden behind other work, and
-    MFU (median over the logged steps after the first). Means over profiled steps and ranks."""
-    lines = ["| run | steps × ranks | step ms | compute ms | optimizer ms | exposed comm ms (worst rank) | other ms | "
-             "comm in flight ms | comm hidden | MFU |", "|---|---|---|---|---|---|---|---|---|---|"]
+    """Where the profiled steps went, one row per run: the median of each of the four parts (they
+    add up to the step in every step; their medians nearly), the step's, the time some collective was
+    in flight, the share of it hidden, and MFU (median over the logged steps after the first); each
+    median with its 95 % interval in brackets (rounds, then steps: zerolab.report.runs.breakdown)."""
+    lines = ["| run | rounds × steps × ranks | step ms | compute ms | optimizer ms | exposed comm ms | worst rank's "
+             "exposed ms | other ms | comm in flight ms | comm hidden | MFU |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in runs:
         b = r.stats.get("breakdown")
         if not b:
             continue
         worst = max(x["comm_exposed_s"] for x in b["per_rank"])
-        ms = lambda v: _f(v * 1e3, "{:.1f}")
-        lines.append(f"| {r.label} | {b['steps']} × {len(b['per_rank'])} | {ms(b['step_s'])} | {ms(b['compute_s'])} | "
-                     f"{ms(b['optimizer_s'])} | {ms(b['comm_exposed_s'])} ({ms(worst)}) | {ms(b['other_s'])} | "
-                     f"{ms(b['comm_s'])} | {_f(b['hidden'] * 100, '{:.0f} %')} | "
+        cell = lambda k: f"{_f(b[k] * 1e3, '{:.1f}')} [{_f(b['spread'][k][0] * 1e3, '{:.1f}')}, " \
+                         f"{_f(b['spread'][k][1] * 1e3, '{:.1f}')}]"
+        per_round = b["steps"] // max(b["rounds"], 1)
+        lines.append(f"| {r.label} | {b['rounds']} × {per_round} × {len(b['per_rank'])} | {cell('step_s')} | "
+                     f"{cell('compute_s')} | {cell('optimizer_s')} | {cell('comm_exposed_s')} | "
+                     f"{_f(worst * 1e3, '{:.1f}')} | {cell('other_s')} | {cell('comm_s')} | "
+                     f"{_f(b['hidden'] * 100, '{:.0f} %')} | "
                      f"{_f(r.stats.get('mfu', float('nan')) * 100, '{:.1f} %')} |")
     return "\n".join(lines)
 

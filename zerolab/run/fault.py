@@ -14,6 +14,9 @@ torchrun restarts resumes and finishes instead of failing again.
 ms of host time inside step N, before its first forward (in every attempt; profile.steps=[N]
 shows the others waiting for it, zerolab/profile/). `fault.inf_grad_step=N` puts an inf into
 rank fault.inf_grad_rank's gradients in step N (its record says "skipped": true under fp16).
+`fault.slow_save_s=S` makes every checkpoint save take S seconds longer on every rank (in every
+attempt): a slow checkpoint directory, to rehearse a stop whose save outlasts a launcher's grace
+period (launch/slurm.sbatch's stop budget; tests/test_slurm.py).
 
 When a rank stops, the others wait in their next collective until dist.timeout_s and then get an
 error from gloo/NCCL that says "timed out" or "connection closed" but not *who* stopped. Every
@@ -72,6 +75,7 @@ def position(step: "int | None", phase: str) -> str:
 
 
 DONE = "done"  # the phase a rank posts once its step is over (Instruments.advance)
+SAVING = "checkpoint"  # the phase a rank posts while it writes a checkpoint (Trainer.save)
 VERDICT = "verdict"  # the board's key for the job's one verdict on who stopped (first rank to post wins)
 
 
@@ -105,6 +109,13 @@ class FaultInjector:
             loss.register_hook(lambda grad: self._stop_now(n, phase))
         else:
             self._stop_now(n, phase)
+
+    def in_save(self) -> None:
+        """fault.slow_save_s: this rank's checkpoint save takes that much longer (a slow disk)."""
+        if self.cfg.slow_save_s > 0:
+            say(f"zerolab fault injection: rank {self.rank}'s save takes {self.cfg.slow_save_s:g} s longer "
+                f"(fault.slow_save_s)")
+            time.sleep(self.cfg.slow_save_s)
 
     def poison(self, loss: "torch.Tensor", step: int) -> "torch.Tensor":
         """fault.inf_grad_step: this rank's last backward of that step carries inf (call it with the
@@ -241,11 +252,13 @@ class ProgressBoard:
         store = self.store
         while not self._stop.wait(self.interval):
             stuck = time.monotonic() - self.changed
-            if StopRequest.signal_name is not None and stuck > self.timeout_s:
+            if StopRequest.signal_name is not None and stuck > self.timeout_s and self.phase != SAVING:
                 # Asked to stop (torchrun's SIGTERM after a peer failed, or a preemption), but this
                 # rank's main thread has not moved for longer than any peer waits for it: it is
                 # hung, and the stop it was asked for will never come. End it now rather than after
-                # the launcher's grace period.
+                # the launcher's grace period. Not while it saves: a large checkpoint's write may
+                # outlast dist.timeout_s and is what the stop is for (the save's own collectives
+                # still time out; the launcher's stop budget bounds the rest).
                 say(f"zerolab: rank {self.rank} got {StopRequest.signal_name} but has been stuck {self._where()} "
                     f"for {stuck:.0f} s (> dist.timeout_s); exiting")
                 os._exit(1)

@@ -9,8 +9,9 @@ A strategy is a small core plus what it declares (docs/writing-a-strategy.md lis
   declared   name, traits (what it is: Traits below), checkpoint_format
   required   setup, step, memory, consolidated_state_dict
   optional   backward, no_sync, close, restore_step, report_pending; checkpoint_state and
-             load_checkpoint_state for checkpoint_format "pieces" (a "native" one also mixes in
-             strategies/native.py's NativeCheckpoint)
+             load_checkpoint_state for checkpoint_format "pieces", with optimizer_states where the
+             optimizer is inside a wrapper (a strategy that also reads an older format of its own
+             mixes in strategies/native.py's NativeCheckpoint)
   classes    check_config, reads, label, known_cause, lossy, predict_memory, memory_identity
 
 The arithmetic of the step (the global norm, unscale, clip, skip) is zerolab/numerics.py's; a
@@ -24,7 +25,7 @@ import math
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import Callable, ContextManager, Optional
+from typing import Callable, ContextManager, Iterable, Optional
 
 import torch
 import torch.distributed as dist
@@ -33,7 +34,7 @@ import torch.nn as nn
 from zerolab import numerics
 from zerolab.comm import CommCounter
 from zerolab.dist import DistContext
-from zerolab.errors import ConfigError
+from zerolab.errors import CheckpointError, ConfigError
 from zerolab.numerics import Measure, StepInfo
 from zerolab.precision import Precision
 from zerolab.precision_modes import MODE_KEYS, Mode, lossy_settings
@@ -94,6 +95,47 @@ def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
         group["lr"] = lr * group.get("lr_scale", 1.0)
 
 
+@torch.no_grad()
+def materialise_state(optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> None:
+    """Create the optimizer's state for `params` before a checkpoint is loaded into it. torch's,
+    zerolab's and DeepSpeed's optimizers create their state at their first step, so one step with
+    zero gradients at lr 0 creates every entry, in the optimizer's own dtypes and types, and changes
+    no weight (the update and the decoupled decay are multiplied by lr); the loaded values then
+    overwrite the tensors, and zerolab.checkpoint the counters. Gradients are put back as they were."""
+    if all(optimizer.state.get(p) for p in params):
+        return
+    grads = [p.grad for p in params]
+    lrs = [g["lr"] for g in optimizer.param_groups]
+    for p in params:  # (not zeros_like: a stand-in master's strides are all 0)
+        p.grad = torch.zeros(p.shape, dtype=p.dtype, device=p.device)
+    for g in optimizer.param_groups:
+        g["lr"] = 0.0
+    try:
+        optimizer.step()
+    finally:
+        for g, lr in zip(optimizer.param_groups, lrs):
+            g["lr"] = lr
+        for p, grad in zip(params, grads):
+            p.grad = grad
+
+
+def kinds_to_load(read, name: str, held: list[str], who: str) -> list[str]:
+    """The optimizer-state kinds of parameter `name` to read from a checkpoint into a reader whose
+    optimizer keeps `held`: all of them when the checkpoint saved the same kinds; none when it saved
+    none (a weights-only import, or an optimizer that had not stepped: the reader's fresh zeros are
+    that state). Any other mismatch is refused before a tensor changes, naming the way out."""
+    saved = sorted(read.kinds(name))
+    if not saved:
+        return []
+    if saved != sorted(held):
+        raise CheckpointError(
+            f"{read.path}: the checkpoint holds optimizer state {saved} for {name}, and {who} keeps "
+            f"{sorted(held) or 'none'}: it cannot hold what was saved. Resume with the optimizer that wrote it "
+            "(meta.json's \"optimizer\") under a strategy that runs it, or export its weights (python -m zerolab "
+            "export CKPT --as-checkpoint --out DIR) and start a fresh optimizer from them")
+    return saved
+
+
 def larger_of(before: dict[str, int], now: dict[str, int]) -> dict[str, int]:
     """Bytes by category, the larger of two moments: for strategies that free gradients inside
     their step (FSDP2, DeepSpeed), what existed just before the last update against now."""
@@ -111,9 +153,10 @@ class Strategy(abc.ABC):
     name: str = "?"
     traits: Traits = Traits()
     # How it checkpoints: "pieces" (zerolab's name-keyed, reshardable pieces: checkpoint_state /
-    # load_checkpoint_state; N ranks of one such strategy load into M ranks of any other),
-    # "native" (its own files: strategies/native.py's NativeCheckpoint; loads only into itself),
-    # "none" (checkpoint.every is refused; a preempted run stops without one).
+    # load_checkpoint_state; N ranks of any strategy load into M ranks of any other: every
+    # registered strategy writes them), or "none" (checkpoint.every is refused; a preempted run
+    # stops without one). "native" (a library's own files) is only read, from checkpoints written
+    # before every strategy wrote pieces (strategies/native.py).
     checkpoint_format: str = "none"
 
     def __init__(self, cfg: Config, ctx: DistContext, precision: Precision):
@@ -188,6 +231,12 @@ class Strategy(abc.ABC):
         The optimizer's scalar state (Adam's `step`), the loss scaler and RNG are restored by
         zerolab.checkpoint after this returns, then restore_step; strategies load tensors only."""
         raise NotImplementedError(f"strategy {self.name} does not read the pieces format")
+
+    def optimizer_states(self) -> Iterable[dict]:
+        """This rank's per-parameter optimizer state dicts: where the scalar counters (Adam's
+        `step`) live, which zerolab.checkpoint saves once and restores into every one of them. A
+        strategy whose optimizer keeps its state elsewhere (a wrapper's inner optimizer) says where."""
+        return self.optimizer.state.values()
 
     # ---- what the class says without an instance ------------------------------------------------
     @classmethod

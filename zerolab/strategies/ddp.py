@@ -22,7 +22,7 @@ from zerolab.precision_modes import Mode, master_term, working_bytes_per_element
 from zerolab.numerics import Measure, StepInfo
 from zerolab.schema import DDPSettings
 from zerolab.strategies.base import (PRECISION_MODE_SETTINGS, ZEROLAB_STEP_SETTINGS, OptimizerFactory, ShardPiece,
-                                     Strategy, Traits, precision_lossy, set_lr)
+                                     Strategy, Traits, kinds_to_load, materialise_state, precision_lossy, set_lr)
 
 
 def _counting_allreduce(state, bucket):
@@ -129,35 +129,49 @@ class DDPStrategy(Strategy):
             out[name] = src.detach().float().cpu().clone()
         return out
 
-    # ---- checkpoints: every rank holds the same full state, so rank 0 alone writes it ----------
+    # ---- checkpoints: whole tensors; every rank holds the same full state, so rank 0 writes it --
+    def _state_holder(self, p: torch.Tensor) -> Optional[dict]:
+        """The optimizer state dict of optimizer-side parameter `p` on this rank (None where
+        another rank keeps it: torch_zero)."""
+        return self.optimizer.state[p]
+
+    def _writes(self, p: torch.Tensor) -> bool:
+        """Whether this rank writes `p`'s master and state: each tensor is written once."""
+        return self.ctx.is_main
+
     def checkpoint_state(self) -> dict[str, ShardPiece]:
-        if not self.ctx.is_main:
-            return {}
         out = {}
         for i, (name, p) in enumerate(zip(self.names, self._optimizer_params())):
+            if not self._writes(p):
+                continue
             shape, n = tuple(p.shape), p.numel()
             master = self.master.fp32(i) if self.master else p.detach()  # exact fp32 in every precision.master
             out[f"master/{name}"] = ShardPiece(master.reshape(-1), 0, n, shape)
-            for kind, v in self.optimizer.state.get(p, {}).items():
+            for kind, v in self._state_holder(p).items():
                 if is_element_state(v):  # scalars (Adam's step) go to metadata
                     out[f"{kind}/{name}"] = ShardPiece(v.detach().reshape(-1), 0, n, shape)
         return out
 
+    def _materialise_state(self) -> None:
+        materialise_state(self.optimizer, self._optimizer_params())
+
     @torch.no_grad()
     def load_checkpoint_state(self, read) -> None:
-        """Every rank reads the whole of every tensor. torch's optimizers create state lazily, so
-        the state entries are created here from the kinds the checkpoint holds."""
-        state_dtype = self.precision.state_keys().get("state_dtype", None) if self.master else None
+        """Every rank reads the whole of every master, and the state of the tensors it keeps state
+        for, into state its optimizer created first (materialise_state: of its own dtypes)."""
+        self._materialise_state()
         for i, (name, p) in enumerate(zip(self.names, self._optimizer_params())):
             n = p.numel()
             if self.master:  # the master, and from it the model's weights (rounded, or split: precision.master)
                 self.master.load_fp32(i, read(f"master/{name}", 0, n))
             else:
                 p.copy_(read(f"master/{name}", 0, n).view(p.shape))
-            state = self.optimizer.state[p]
-            for kind in read.kinds(name):
-                state[kind] = read(f"{kind}/{name}", 0, n).view(p.shape).to(device=p.device,
-                                                                            dtype=state_dtype or p.dtype)
+            state = self._state_holder(p)
+            if state is None:
+                continue
+            held = [k for k, v in state.items() if is_element_state(v)]
+            for kind in kinds_to_load(read, name, held, f"optim={self.cfg.optim.name} under strategy={self.name}"):
+                state[kind].copy_(read(f"{kind}/{name}", 0, n).view(p.shape))
 
     @classmethod
     def lossy(cls, cfg: dict):

@@ -307,8 +307,7 @@ class DeepSpeedStrategy(DeepSpeedCheckpointing, Strategy):
         skipped = self.engine.skipped_steps > skipped_before
         norm = self.engine.get_global_grad_norm()
         norm = float(norm) if norm is not None else float("nan")
-        if self.precision.scaler.enabled:  # mirror DeepSpeed's scale into zerolab's log field
-            self.precision.scaler.scale = float(self.optimizer.loss_scale)
+        self.mirror_scaler()  # DeepSpeed's fp16 loss scaler into zerolab's (deepspeed_checkpoint.py)
         clip = self.cfg.optim.grad_clip
         clipped = norm * min(1.0, clip / (norm + 1e-6)) if clip > 0 and math.isfinite(norm) else norm
         return StepInfo(grad_norm=norm, grad_norm_clipped=clipped, skipped=skipped)

@@ -11,6 +11,14 @@ compute dtype and reduce-scatters gradients in fp32. In fp32 there is no policy.
 Communication is derived from FSDP2's schedule, not intercepted: each forward of a unit all-gathers
 its parameters, each backward of a unit that resharded after forward all-gathers them again, and
 each synchronised backward reduce-scatters its gradients.
+
+Checkpoints are zerolab's pieces: a sharded parameter is a DTensor placed Shard(0), so this rank's
+local shard is a run of whole rows, one contiguous element range of the flattened tensor (uneven
+splits follow torch.chunk: the trailing ranks hold fewer rows, or none). torch's own API reaches
+the shards and their offsets (torch.distributed.checkpoint.state_dict's get/set functions with
+full_state_dict=False, compute_local_shape_and_global_offset); the master (the fp32 shard under
+mixed precision) and every optimizer state tensor are written alike, and read back in whatever
+rows this rank holds now, so a checkpoint of any strategy at any world size loads here.
 """
 from __future__ import annotations
 
@@ -21,17 +29,22 @@ from typing import Optional
 
 import torch
 import torch.nn as nn
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                     get_optimizer_state_dict, set_model_state_dict,
+                                                     set_optimizer_state_dict)
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from zerolab.accounting import (CATEGORIES, MIXED, MODEL_STATES, StorageCounter, ceil_div, dtype_name, element_states,
                                 fmt_n, placed, state_bytes)
 from zerolab.models import find_blocks, place
 from zerolab.precision import COMPUTE_BYTES
 from zerolab.numerics import Measure, StepInfo
-from zerolab.errors import ConfigError
+from zerolab.errors import CheckpointError, ConfigError
 from zerolab.schema import FSDPSettings
-from zerolab.strategies.base import OptimizerFactory, Strategy, Traits, larger_of, set_lr
+from zerolab.strategies.base import (OptimizerFactory, ShardPiece, Strategy, Traits, kinds_to_load, larger_of,
+                                     set_lr)
 
 
 _log = logging.getLogger("zerolab")
@@ -46,7 +59,7 @@ class FSDPStrategy(Strategy):
     # fully_shard has no bucket size (a unit is one block) and reduces in fp32 under mixed precision;
     # its settings are offload's two. Ranks hold uneven shares: the last ranks' optimizer state is smaller.
     traits = Traits(settings=FSDPSettings, stage=3, sharded_grads=True, needs_blocks=True, uneven_memory=True)
-    checkpoint_format = "none"
+    checkpoint_format = "pieces"  # the module docstring says how
 
     @classmethod
     def check_config(cls, cfg, world_size: int) -> None:
@@ -186,6 +199,38 @@ class FSDPStrategy(Strategy):
                 out[name] = full.detach().float().cpu().clone()
         return out if self.ctx.is_main else None
 
+    # ---- checkpoints: each rank its rows of every sharded state (module docstring) -------------
+    SHARDED = StateDictOptions(full_state_dict=False)  # DTensors as they are: no gather, no copy
+
+    def checkpoint_state(self) -> dict[str, ShardPiece]:
+        model = get_model_state_dict(self.model, options=self.SHARDED)
+        optim = get_optimizer_state_dict(self.model, self.optimizer, options=self.SHARDED)["state"]
+        out = {}
+        for name in self.names:
+            for kind, t in [("master", model[name])] + [(k, v) for k, v in optim.get(name, {}).items()
+                                                          if isinstance(v, DTensor)]:
+                start, end = _span(t, f"{kind}/{name}")
+                if end > start:  # a trailing rank may hold no row of a small tensor
+                    out[f"{kind}/{name}"] = ShardPiece(t.to_local().detach().reshape(-1), start, end, tuple(t.shape))
+        return out
+
+    @torch.no_grad()
+    def load_checkpoint_state(self, read) -> None:
+        """The rows this rank holds now, of the master and of every optimizer state, through
+        torch's set_*_state_dict. get_optimizer_state_dict creates the optimizer's state first
+        (one step with zero gradients at lr 0, which changes no weight); the counters (Adam's
+        step) are zerolab.checkpoint's to restore after this."""
+        model = get_model_state_dict(self.model, options=self.SHARDED)
+        set_model_state_dict(self.model, {n: _read_like(read, f"master/{n}", model[n]) for n in self.names},
+                             options=StateDictOptions(full_state_dict=False, strict=False))
+        optim = get_optimizer_state_dict(self.model, self.optimizer, options=self.SHARDED)
+        for name in self.names:
+            state = optim["state"].get(name, {})
+            held = [k for k, v in state.items() if isinstance(v, DTensor)]
+            for kind in kinds_to_load(read, name, held, f"optim={self.cfg.optim.name} under strategy=fsdp"):
+                state[kind] = _read_like(read, f"{kind}/{name}", state[kind])
+        set_optimizer_state_dict(self.model, self.optimizer, optim, options=self.SHARDED)
+
     # ---- memory prediction (zerolab.memory asks it; Strategy.predict_memory says how) ----------
     @classmethod
     def predict_memory(cls, p, shape, *, world, precision, k, rank, settings=None, **_) -> None:
@@ -221,3 +266,26 @@ class FSDPStrategy(Strategy):
                                       "each tensor's dim 0 padded to a multiple of N" if padded else "") if w)
         p.notes.append("vs the paper: no separate 16-bit weight shard; the gradient shard is fp32 (4Ψ/N, not 2Ψ/N)"
                        if precision in MIXED else "every model state is sharded on dim 0 of each tensor")
+
+
+def _span(t: DTensor, key: str) -> tuple[int, int]:
+    """Elements [start, end) of the flattened global tensor that this rank's local shard of `t`
+    holds, from torch's own offset computation. Shard(0) on one mesh dimension gives whole rows:
+    one contiguous range; any other placement (a 2-D mesh, Shard(1)) is refused, not guessed."""
+    shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    whole_rows = tuple(shape[1:]) == tuple(t.shape[1:]) and not any(offset[1:])
+    if not whole_rows:
+        raise CheckpointError(f"{key}: a shard of shape {tuple(shape)} at offset {tuple(offset)} of {tuple(t.shape)} "
+                              f"(placements {t.placements}) is not a run of whole rows; zerolab's pieces need "
+                              "FSDP2's Shard(0) on one mesh dimension")
+    row = math.prod(t.shape[1:])
+    start = offset[0] * row if shape[0] else 0
+    return start, start + math.prod(shape)
+
+
+def _read_like(read, key: str, like: DTensor) -> DTensor:
+    """The saved elements of `key` that `like`'s local shard covers, as a DTensor placed like it."""
+    start, end = _span(like, key)
+    local = like.to_local()
+    values = read(key, start, end).to(device=local.device, dtype=local.dtype).view(local.shape)
+    return DTensor.from_local(values, like.device_mesh, like.placements, shape=like.shape, stride=like.stride())

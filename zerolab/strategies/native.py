@@ -1,7 +1,8 @@
-"""The "native" checkpoint format: a strategy that saves its own files (DeepSpeed's engine does)
-mixes this in beside `checkpoint_format = "native"`. zerolab records, checksums and publishes
-every file it writes, beside its own meta.json and rank*.safetensors (zerolab/checkpoint/); such a
-checkpoint loads only into the same strategy (check_native_compatible says when)."""
+"""Reading a "native" checkpoint: a library's own files, which zerolab recorded, checksummed and
+published beside its meta.json and rank*.safetensors. DeepSpeed runs wrote such checkpoints
+before every strategy wrote zerolab's pieces (format version 5); a strategy that can still read
+them mixes this in. Such a checkpoint loads only into its writing strategy (check_native_compatible
+says when); export reads its weights (native_weights)."""
 from __future__ import annotations
 
 from typing import Callable, Optional
@@ -10,18 +11,7 @@ import torch
 
 
 class NativeCheckpoint:
-    checkpoint_format = "native"
     checkpoint_globals: tuple = ()  # the pickle globals its torch.save files may name (zerolab/safeload.py)
-
-    def save_native(self, directory: str) -> None:
-        """Collective: write this strategy's own checkpoint files under `directory` (the save's
-        temporary directory)."""
-        raise NotImplementedError
-
-    def native_meta(self) -> dict:
-        """Rank 0, after save_native: what load_native and the classmethods below need, stored
-        as meta.json's "native" record (JSON values)."""
-        raise NotImplementedError
 
     def load_native(self, path: str, meta: dict) -> None:
         """Collective: restore weights, optimizer state and loss scaler from the checkpoint at

@@ -14,6 +14,7 @@ from __future__ import annotations
 import inspect
 import math
 from dataclasses import replace
+from typing import Optional
 
 import torch
 import torch.nn as nn
@@ -21,7 +22,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from zerolab.accounting import MIXED, StorageCounter, ceil_div, fmt_n, state_bytes
 from zerolab.numerics import Measure, StepInfo
-from zerolab.strategies.base import PRECISION_MODE_SETTINGS, OptimizerFactory
+from zerolab.strategies.base import PRECISION_MODE_SETTINGS, OptimizerFactory, materialise_state
 from zerolab.strategies.ddp import DDPStrategy
 
 
@@ -47,9 +48,10 @@ class TorchZeroStrategy(DDPStrategy):
                      # measured by collective, gpt_mid on 2 ranks: all_reduce 2Ψ + broadcast Ψ
                      comm_extra="DDP's all-reduce of the gradients (2Ψ), then ZeroRedundancyOptimizer's broadcast "
                                 "of every updated parameter from the rank that owns it (Ψ more, in the master dtype)")
-    # DDP's checkpoint methods are inherited but wrong here: the optimizer state lives on the rank
-    # that owns each parameter, which DDP's rank-0-writes-all would silently drop.
-    checkpoint_format = "none"
+    # checkpoint_format "pieces" (ddp.py's, whole tensors): each rank writes the masters and state of
+    # the tensors its optimizer owns (no consolidation on one rank: ZeroRedundancyOptimizer's
+    # consolidate_state_dict would broadcast pickles), and on load every rank reads every master
+    # (they are whole everywhere) and the state of the tensors it owns now, at any world size.
 
     def setup(self, model: nn.Module, param_groups: list[dict], make_optimizer: OptimizerFactory) -> nn.Module:
         def make_zero(groups: list[dict]) -> torch.optim.Optimizer:
@@ -57,10 +59,27 @@ class TorchZeroStrategy(DDPStrategy):
             return ZeroRedundancyOptimizer(groups, optimizer_class=cls, **kwargs)
 
         module = super().setup(model, param_groups, make_zero)
+        # The optimizer-side parameters this rank's share updates: its local optimizer's (`.optim`),
+        # whatever rule ZeroRedundancyOptimizer used to assign them.
+        self.owned = {id(q) for g in self.optimizer.optim.param_groups for q in g["params"]}
         # What the post-step broadcast moves: every optimizer-side parameter, once, from its owner.
         self.broadcast_numel = sum(p.numel() for p in self._optimizer_params())
         self.broadcast_elem = self._optimizer_params()[0].element_size()
         return module
+
+    def _state_holder(self, p: torch.Tensor) -> Optional[dict]:
+        return self.optimizer.optim.state[p] if id(p) in self.owned else None
+
+    def _writes(self, p: torch.Tensor) -> bool:
+        return id(p) in self.owned
+
+    def _materialise_state(self) -> None:
+        """The local optimizer's state for the tensors this rank owns (not through the wrapper,
+        whose step would broadcast)."""
+        materialise_state(self.optimizer.optim, [p for p in self._optimizer_params() if id(p) in self.owned])
+
+    def optimizer_states(self):
+        return self.optimizer.optim.state.values()  # the local optimizer's: this rank's share
 
     def step(self, lr: float, measure: Measure = Measure.NOTHING) -> StepInfo:
         info = super().step(lr, measure)
