@@ -1,6 +1,12 @@
 """ddp vs zerolab's own ZeRO stages (zero1, zero2, zero3), side by side in one run (run under torchrun).
 
     torchrun --standalone --nproc_per_node=2 bench/zero.py [--steps 20] [key=value ...]
+    torchrun ... bench/zero.py --strategies "zero3,deepspeed@strategy.stage=3,zero3@strategy.offload_optimizer=true"
+
+A strategy may carry its own overrides after `@` (several: `name@a=1@b=2`), so variants of one
+strategy (offload, DeepSpeed's stage) run interleaved like strategies; the entry is its label.
+`--versus deepspeed@strategy.stage=3` adds a column: each entry's p50 over that of the entry made
+of the --versus label and the entry's own overrides (zero3@X against deepspeed@strategy.stage=3@X).
 
 The strategies are interleaved step by step (ddp, zero1, zero2, ..., ddp, ...) so all of them
 see the same machine conditions; the first --warmup steps of each are not timed. Prints, per
@@ -81,6 +87,7 @@ def main() -> None:
     own = ",".join([reference_strategy(), *names_where(zerolab_sharder=True)])
     p.add_argument("--strategies", default=own, help=f"default: the reference and zerolab's own sharders ({own})")
     p.add_argument("--no-floor", action="store_true", help="skip the compute-only floor")
+    p.add_argument("--versus", default="", help="the label each entry is also compared with (docstring)")
     p.add_argument("overrides", nargs="*")
     args = p.parse_args()
     os.environ.setdefault("WANDB_MODE", "disabled")
@@ -91,8 +98,8 @@ def main() -> None:
     trainers = {}
     names = args.strategies.split(",") + ([] if args.no_floor else [FLOOR])
     for i, name in enumerate(names):
-        strategy = "ddp" if name == FLOOR else name
-        cfg = compose(DEFAULTS + args.overrides + [f"strategy={strategy}", f"trainer.max_steps={args.steps}",
+        strategy, *own = ("ddp" if name == FLOOR else name).split("@")
+        cfg = compose(DEFAULTS + args.overrides + [f"strategy={strategy}", *own, f"trainer.max_steps={args.steps}",
                                                     f"run.dir={tmp}/{i}"])
         trainers[name] = Trainer(cfg, ctx)
     times, cpu = interleaved(trainers, args.steps, args.warmup, ctx)
@@ -122,8 +129,8 @@ def report(base, ctx, trainers, times, cpu, comm, mem, args) -> None:
     floor_p50 = statistics.median(times[FLOOR]) if FLOOR in times else None
     cpu_of = {name: statistics.mean(r[name] for r in cpu) for name in times}  # mean over ranks of p50
     print("\n| strategy | p50 s/step | p95 s/step | p50 ÷ ddp | p50 ÷ floor | CPU s/step | CPU ÷ floor "
-          "| comm MB/step/rank | ÷ theory |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+          f"| comm MB/step/rank | ÷ theory |{f' p50 ÷ {args.versus} |' if args.versus else ''}")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|" + ("---:|" if args.versus else ""))
     elem = 2 if base.precision.name in ("bf16", "fp16") else 4
     theory = theory_bytes_per_step(psi, elem, n)
     for name, ts in times.items():
@@ -133,8 +140,10 @@ def report(base, ctx, trainers, times, cpu, comm, mem, args) -> None:
         c = comm[name].get("total", 0.0)
         vs_theory = f"{c / theory:.3f}" if theory and c else "-"
         cpu_ratio = f"{cpu_of[name] / cpu_of[FLOOR]:.3f}" if FLOOR in cpu_of else "-"
+        other = "@".join([args.versus, *name.split("@")[1:]])
+        versus = f" {p50 / statistics.median(times[other]):.3f} |" if other in times else " - |"
         print(f"| {name} | {p50:.4f} | {p95:.4f} | {ratio} | {to_floor} | {cpu_of[name]:.4f} | {cpu_ratio} "
-              f"| {c / 1e6:.2f} | {vs_theory} |")
+              f"| {c / 1e6:.2f} | {vs_theory} |{versus if args.versus else ''}")
     cats = ("params", "grads", "master", "optim_state", "buffers", "model_states")
     print("\nmemory per rank after a step, MB (" + ", ".join(cats) + ")")
     print("| strategy | rank | " + " | ".join(cats) + " |")

@@ -64,6 +64,36 @@ def test_predicting_deepspeed_does_not_import_it():
     run_python("-c", code)
 
 
+def test_deepspeed_stage3_frees_weights_after_forward_as_zero3_unless_told_to_keep_them():
+    """strategy.reshard_after_forward, zero3's setting, reaches DeepSpeed stage 3 as
+    stage3_max_reuse_distance: 0 frees each module's gathered weights after its forward (the
+    prediction's transient is the largest tensor); false leaves DeepSpeed's default (1e9 elements),
+    under which a model smaller than that keeps every weight gathered until its backward."""
+    from zerolab.accounting import ModelShape
+    from zerolab.config import compose, validate
+    from zerolab.strategies.deepspeed import build_ds_config
+
+    def zero_config(*overrides):
+        cfg = validate(compose(["strategy=deepspeed", "strategy.stage=3", *overrides]), world_size=2)
+        return build_ds_config(cfg, 2, 4)["zero_optimization"]
+
+    assert zero_config()["stage3_max_reuse_distance"] == 0
+    assert "stage3_max_reuse_distance" not in zero_config("strategy.reshard_after_forward=false")
+    shape = ModelShape("toy", ((0, (64, 64)), (0, (64,)), (0, (300, 400))))  # 4,096 + 64 + 120,000 elements
+
+    def gathered(**settings):
+        p = predict(shape, "deepspeed", 2, "fp32", stage=3, state_elements=2, settings=settings)
+        return [t.bytes for t in p.terms if t.category == "transient" and "weights" in t.what]
+
+    assert gathered() == gathered(reshard_after_forward=True) == [120_000 * 4]
+    assert gathered(reshard_after_forward=False) == [(4096 + 64 + 120_000) * 4]
+    # a stage 3 asked for by an override alone runs with DeepSpeed's own defaults: weights kept
+    # gathered, but for the two small tensors, which stay whole (persistence threshold 1e5)
+    staged = predict(shape, "deepspeed", 2, "fp32", stage=2, state_elements=2,
+                     settings={"ds_config_overrides": {"zero_optimization": {"stage": 3}}})
+    assert [t.bytes for t in staged.terms if "kept gathered" in t.what] == [120_000 * 4]
+
+
 def test_deepspeeds_prediction_follows_the_overrides_it_models_and_names_the_rest():
     """strategy.ds_config_overrides reaches the prediction as it reaches DeepSpeed: a stage set
     there, the persistence threshold (small tensors kept whole), the reduce bucket; a key it

@@ -53,10 +53,12 @@ def test_every_strategy_declares_format_settings_and_one_reference():
 
 
 def test_a_strategy_reads_exactly_its_settings_dataclass():
-    """strategy.reshard_after_forward is zero3's alone; bucket_mb everyone's who has buckets."""
+    """strategy.reshard_after_forward is zero3's and DeepSpeed's (its stage 3); bucket_mb everyone's
+    who has buckets."""
     cfg = compose(TINY)
     assert strategy_class("zero3").reads("strategy.reshard_after_forward", cfg)
     assert not strategy_class("zero2").reads("strategy.reshard_after_forward", cfg)
+    assert strategy_class("deepspeed").reads("strategy.reshard_after_forward", cfg)
     assert not strategy_class("fsdp").reads("strategy.bucket_mb", cfg)
     assert strategy_class("deepspeed").reads("strategy.ds_config_overrides", cfg)
     assert not strategy_class("deepspeed").reads("trainer.nonfinite", cfg)  # DeepSpeed decides non-finite steps

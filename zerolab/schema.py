@@ -168,6 +168,10 @@ class DeepSpeedSettings(OffloadSettings):
     stage: int = 0  # its ZeRO stage (0-3; conf/strategy/deepspeed.yaml sets 2)
     overlap_comm: bool = True  # overlap its reductions with backward
     client_optimizer: bool = False  # allow zerolab's LAMB/LARS as a client optimizer
+    # stage 3, zero3's setting under the same name: true frees a module's gathered weights after its
+    # forward (stage3_max_reuse_distance 0); false keeps those it uses again within 1e9 elements
+    # (DeepSpeed's default), so a smaller model keeps every weight gathered from forward to backward
+    reshard_after_forward: bool = True
     ds_config_overrides: Dict[str, Any] = field(default_factory=dict)  # merged into its JSON config last
 
 

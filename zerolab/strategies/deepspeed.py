@@ -89,8 +89,13 @@ def build_ds_config(cfg, world_size: int, grad_element_size: int) -> dict:
         "wall_clock_breakdown": False,
     }
     if s.stage == 3:
+        # Every tensor sharded and every gathered weight freed after its module's forward, as in
+        # the ZeRO paper and zerolab's zero3; DeepSpeed's defaults keep tensors under 1e5 elements
+        # whole and any weight used again within 1e9 elements gathered (a small model's all of them).
         ds["zero_optimization"].update({"stage3_prefetch_bucket_size": bucket,
                                         "stage3_param_persistence_threshold": 0})
+        if s.reshard_after_forward:
+            ds["zero_optimization"]["stage3_max_reuse_distance"] = 0
     # ZeRO-Offload / ZeRO-Infinity as DeepSpeed spells them; pinned host buffers need CUDA's driver
     pin = torch.cuda.is_available()
     if s.offload_optimizer:

@@ -5,7 +5,8 @@ them, as zerolab/strategies/deepspeed.py builds the real config.
 
 What the prediction follows: `stage`, `reduce_bucket_size` (the backward bucket),
 `stage3_param_persistence_threshold` and `stage3_model_persistence_threshold` (small tensors kept
-whole on every rank), `zero_hpz_partition_size` (ZeRO++'s hpZ, stage 3: every tensor's secondary
+whole on every rank), `stage3_max_reuse_distance` (weights kept gathered from forward to backward
+when it reaches the model's elements), `zero_hpz_partition_size` (ZeRO++'s hpZ, stage 3: every tensor's secondary
 partition over the n ranks of its group, ds_secondary_tensor), and keys that change no model state
 (`overlap_comm`, measured here: with contiguous gradients a rank keeps the same buffers either way;
 `allgather_bucket_size`, `contiguous_gradients`, `reduce_scatter`, `round_robin_gradients`,
@@ -29,7 +30,7 @@ from zerolab.precision import COMPUTE_BYTES
 
 # keys of zero_optimization the prediction follows, or that change no model state it counts
 FOLLOWED = {"stage", "reduce_bucket_size", "stage3_param_persistence_threshold", "stage3_model_persistence_threshold",
-            "zero_hpz_partition_size"}
+            "zero_hpz_partition_size", "stage3_max_reuse_distance"}
 NO_EFFECT = {"overlap_comm", "allgather_bucket_size", "contiguous_gradients", "reduce_scatter", "round_robin_gradients",
              "stage3_prefetch_bucket_size", "allgather_partitions"}
 OFFLOAD = {"offload_optimizer", "offload_param"}  # followed: device cpu (or none)
@@ -37,6 +38,8 @@ TOP_NO_EFFECT = {"steps_per_print", "wall_clock_breakdown", "gradient_clipping",
 # zerolab's config sets stage3_param_persistence_threshold to 0 (no tensor stays whole) when strategy.stage=3;
 # a stage 3 that only an override asks for runs with DeepSpeed's own default, 1e5 (runtime/zero/config.py)
 ZEROLAB_PERSISTENCE, DEEPSPEED_PERSISTENCE = 0, 100_000
+# stage3_max_reuse_distance: 0 with strategy.reshard_after_forward=true, else DeepSpeed's default (config.py)
+DEEPSPEED_REUSE = 1_000_000_000
 
 
 @dataclass
@@ -49,6 +52,7 @@ class ZeroConfig:
     hpz: int = 1  # zero_hpz_partition_size: ranks sharing a secondary copy of the weights (1: none)
     offload_optimizer: bool = False  # offload_optimizer.device cpu: master, its gradient and the state on the host
     offload_params: bool = False  # offload_param.device cpu (stage 3): the parameter partitions on the host
+    reuse: int = 0  # stage3_max_reuse_distance: a weight used again within this many elements stays gathered
 
 
 def ds_zero_config(settings: dict, stage: int, bucket: int) -> ZeroConfig:
@@ -67,7 +71,10 @@ def ds_zero_config(settings: dict, stage: int, bucket: int) -> ZeroConfig:
                       model_persistence=int(zero.get("stage3_model_persistence_threshold", sys.maxsize)),
                       unmodelled=unmodelled, hpz=int(zero.get("zero_hpz_partition_size", 1) or 1),
                       offload_optimizer=on_cpu("offload_optimizer", "offload_optimizer"),
-                      offload_params=on_cpu("offload_param", "offload_params"))
+                      offload_params=on_cpu("offload_param", "offload_params"),
+                      reuse=int(zero.get("stage3_max_reuse_distance",
+                                         0 if stage == 3 and settings.get("reshard_after_forward", True)
+                                         else DEEPSPEED_REUSE)))
 
 
 def predict_ds_memory(p, shape: ModelShape, zero: ZeroConfig, *, world: int, precision: str, k: float,
@@ -173,7 +180,15 @@ def _stage_3(p, shape: ModelShape, zero: ZeroConfig, N: int, precision: str, k: 
     if zero.offload_optimizer or zero.offload_params:
         p.notes.append("stage 3 offload: the states by place; not modelled: DeepSpeed's staging buffers for the "
                        "copies and, under 16-bit precision, its 16-bit gradient buffer on the host")
-    p.add("transient", max(sizes) * c, "weights all-gathered for the module being computed (largest tensor)")
+    if zero.reuse >= n:  # every weight's next use lies within the distance: none is freed before backward
+        p.add("transient", sum(x * c for x, whole in zip(sizes, kept) if not whole),
+              f"weights kept gathered from their forward to their backward (stage3_max_reuse_distance "
+              f"{zero.reuse:,} ≥ the model's elements)")
+    else:
+        p.add("transient", max(sizes) * c, "weights all-gathered for the module being computed (largest tensor)")
+        if zero.reuse:
+            p.notes.append(f"stage3_max_reuse_distance {zero.reuse:,}: the weights it keeps gathered between uses "
+                           "are not modelled (the prediction frees each module's after its forward)")
     p.why = ("each tensor padded to N; " + ("an fp32 weight partition (4Ψ/N) even in fp32 training; "
                                             if precision == "fp32" else "")
              + ("small tensors kept whole on every rank; " if persistent else "")
