@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import random
 import signal
 import socket
 import time
@@ -43,7 +44,23 @@ def _ctx():
     return _context
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A port nothing listens on, for a job's rendezvous, drawn below the kernel's ephemeral range.
+    bind(0) draws from that range, which is also where every outgoing connection (gloo's pairs,
+    the other pytest worker's jobs) takes its source port: a port found free there can be taken
+    again before rank 0's store listens on it (seen once: EADDRINUSE under a CPU-heavy job)."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768  # Linux's default start of the range
+    for _ in range(100):
+        port = random.randrange(max(1024, low - 12000), low)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -110,12 +127,15 @@ def _launch(run_dir: Path, nproc: int, args: list[str], *, check: bool, env: dic
     run_dir.parent.mkdir(parents=True, exist_ok=True)
     job_env = {k: v for k, v in base_env(**(env or {})).items() if k not in os.environ or os.environ[k] != v}
     logs = [str(run_dir.parent / f"{run_dir.name}.rank{r}.log") for r in range(nproc)]
-    port, ctx = _free_port(), _ctx()
-    procs = [ctx.Process(target=_rank_main, args=(r, nproc, port, job_env, args, logs[r], target), daemon=True)
-             for r in range(nproc)]
-    for p in procs:
-        p.start()
-    codes = _wait(procs, timeout)
+    for _attempt in range(3):  # a port taken between its choice and rank 0's listen: another port
+        port, ctx = free_port(), _ctx()
+        procs = [ctx.Process(target=_rank_main, args=(r, nproc, port, job_env, args, logs[r], target), daemon=True)
+                 for r in range(nproc)]
+        for p in procs:
+            p.start()
+        codes = _wait(procs, timeout)
+        if not (codes[0] and "EADDRINUSE" in Path(logs[0]).read_text()):
+            break
     if check and any(codes):
         output = "\n".join(f"--- rank {r} (exit {c}) ---\n{Path(logs[r]).read_text()[-5000:]}"
                            for r, c in enumerate(codes))

@@ -4,23 +4,17 @@ rendezvous over loopback (--nnodes=2, one worker each), which must train exactly
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 
 import pytest
 
 from conftest import ROOT, TORCHRUN, assert_same_weights, base_env, load_weights, read_metrics, run_process, run_train
+from ranks import free_port
 
 pytestmark = pytest.mark.slow  # every test here starts processes (see conftest: tiers)
 
 TRAIN = ["model=gpt_tiny", "model.bias=false", "data=text", "data.micro_batch=4", "trainer.max_steps=6",
          "trainer.eval_every=0", "logging.wandb.mode=disabled", "logging.progress=false"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
