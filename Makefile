@@ -38,11 +38,12 @@ run: install
 # The whole suite, cheap tier first: a broken formula fails in a minute, before the
 # multi-process tier (torchrun, DeepSpeed, Slurm) spends its twenty minutes.
 # (Exit 5 is pytest's "nothing collected": `ARGS="-k ddp"` may select nothing in one tier.)
-# Two pytest workers (pytest-xdist), one test file each at a time (--dist loadfile: a file's
-# module-scoped runs are made once): run one at a time, a test's ranks keep the 2 cores about a
-# third busy (they wait on each other's collectives, start processes, read files), so a second
-# file fills the rest. Every test already holds beside a CPU-heavy job (docs/testing.md).
-WORKERS ?= 2
+# Three pytest workers (pytest-xdist), one test file each at a time (--dist loadfile: a file's
+# module-scoped runs are made once): a test's ranks keep the 2 cores about a third busy (they
+# wait on each other's collectives, start processes, read files); with two workers, beside a
+# one-thread loop, the suite's processes used 28.5 CPU-minutes in 37 minutes of 2 cores
+# (2026-12-06), so a third file fills more of what is left. Every test already holds beside a CPU-heavy job (docs/testing.md).
+WORKERS ?= 3
 PYTEST := $(PY) -m pytest -n $(WORKERS) --dist loadfile
 test: install slurm-deps
 	$(PYTEST) -m "not slow" $(ARGS) || [ $$? = 5 ]
