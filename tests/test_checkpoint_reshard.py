@@ -10,8 +10,8 @@ The cases are the changes to and from one rank (1->2, 1->3, 2->1, 3->1), each st
 source and once as a target: tests/test_resume_matrix.py covers 2->3 and 3->2 for every pair of
 strategies (ddp, zero1-3 and the reference strategies), in fp32 and in bf16 (3->2), with the
 reader's state compared bitwise. In bf16 a change to or from one rank also changes how the batch
-is split, so every gradient rounds differently, not only its reduction: no bf16 case here. The ranks run without torchrun (tests/ranks.py): what is tested is what they
-compute.
+is split, so every gradient rounds differently, not only its reduction: no bf16 case here. The
+ranks run without torchrun (tests/ranks.py): what is tested is what they compute.
 
 The comparison is of the step itself: per tensor, ‖w_target − w_original‖₂ / ‖w_original − w_K‖₂,
 the share of the step that differs, the largest over tensors. A misplaced optimizer-state element
