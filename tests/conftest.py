@@ -42,8 +42,9 @@ import matplotlib.font_manager  # noqa: E402,F401
 # first: `make test`'s two workers take one file at a time in collection order, and a long file
 # taken last keeps one worker busy after the other has nothing left (5 minutes of test_readme_runs
 # alone at the end of that run). The rest keep their order; so does each file's own.
-LONGEST_FIRST = ("test_readme_runs.py", "test_slurm.py", "test_predict_runs.py", "test_profile_runs.py",
-                 "test_zero.py", "test_master_runs.py", "test_offload.py", "test_models_runs.py")
+LONGEST_FIRST = ("test_resume_matrix.py", "test_readme_runs.py", "test_slurm.py", "test_predict_runs.py",
+                 "test_choosing.py", "test_resume_strategies.py", "test_profile_runs.py", "test_zero.py",
+                 "test_master_runs.py", "test_offload.py", "test_models_runs.py")
 
 
 def pytest_collection_modifyitems(config, items):
