@@ -202,12 +202,15 @@ def queued_cost(fits: dict, world: int) -> float:
     return max(0.0, statistics.median(extra))
 
 
-def meeting_cost(iterations: int = 30) -> float:
+def meeting_cost(trials: int = 9, iterations: int = 12) -> float:
     """Seconds a collective costs beyond its own time because the ranks must meet for it: every
     rank runs a chunk of compute (32 matmuls of 384 x 384, some 20 ms of one core's) and then a
-    4-byte all-reduce, `iterations` times; less the same chunks alone and the all-reduce alone.
-    Where ranks outnumber the cores the scheduler runs them in turns, so they reach each meeting
-    at different times and the cores sit partly idle while the first wait; with a core each, ~0."""
+    4-byte all-reduce, `iterations` times; less the same chunks alone (timed before and after) and
+    the all-reduce alone. Where ranks outnumber the cores the scheduler runs them in turns, so they
+    reach each meeting at different times and the cores sit partly idle while the first wait; with
+    a core each, ~0. The median of `trials` such differences: one difference of two ~20 ms means
+    read 2.0-5.6 ms in five trials of one quiet minute here (2026-12-06), and the prediction of a
+    strategy that waits for ~30 collectives a step moved with it (bench/RESULTS.md)."""
     import torch.distributed as dist
 
     a, b, flag = torch.randn(384, 384), torch.randn(384, 384), torch.zeros(1)
@@ -223,10 +226,14 @@ def meeting_cost(iterations: int = 30) -> float:
         for _ in range(n):
             fn()
         return (time.perf_counter() - t0) / n
-    compute = timed(chunk, iterations)
-    alone = timed(lambda: dist.all_reduce(flag), 5 * iterations)
-    both = timed(lambda: (chunk(), dist.all_reduce(flag)), iterations)
-    return max(0.0, both - compute - alone)
+    differences = []
+    for _ in range(trials):
+        before = timed(chunk, iterations)
+        alone = timed(lambda: dist.all_reduce(flag), 5 * iterations)
+        both = timed(lambda: (chunk(), dist.all_reduce(flag)), iterations)
+        after = timed(chunk, iterations)
+        differences.append(both - (before + after) / 2 - alone)
+    return max(0.0, statistics.median(differences))
 
 
 def _fit(points: list[tuple[int, float]]) -> dict:
