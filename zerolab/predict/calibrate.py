@@ -24,10 +24,13 @@ so each figure is what one rank gets while the others work beside it. Per n:
 - meeting_s (n >= 2): what each collective adds because the ranks must meet for it (meeting_cost:
   compute chunks each followed by a tiny all-reduce, against both alone); more ranks than cores
   reach a meeting at different times, and the cores idle while the first ones wait;
-- gloo (n >= 2): all-reduce, reduce-scatter, all-gather and broadcast at 4 KiB to 32 MiB, the
-  median of 5 after a warm-up, each alone (a barrier before it), as latency + bytes / bandwidth
-  (bytes: the full buffer): the latency from the sizes up to 64 KiB, the bandwidth from 1 MiB on
-  (_fit);
+- gloo (n >= 2): all-reduce, reduce-scatter, all-gather and broadcast at 4 KiB to 32 MiB, each
+  alone (a barrier before it) after a warm-up, as latency + bytes / bandwidth (bytes: the full
+  buffer): the latency from the sizes up to 64 KiB, the mean of 40 calls each; the bandwidth from
+  1 MiB on, the median of 5 (_fit). A mean for the latency: with ranks sharing cores a call now and
+  then stalls for milliseconds (a gloo thread waits for a core), a step of many small collectives
+  pays those stalls, and the median leaves them out (2 ranks here, 2026-12-06: means 1.2-3x the
+  medians at 4-64 KiB, calls up to 9 ms against ~0.3 ms typical; bench/RESULTS.md);
 - queued_s (n >= 2): what a collective costs beyond that when it is issued behind others of its
   group, as strategies issue many small ones in a row (torch's ZeroRedundancyOptimizer broadcasts
   every parameter; a sharder launches a collective per bucket): 16 collectives of 64 KiB to 1 MiB
@@ -58,6 +61,7 @@ SHAPES = [(1024, 384, 384), (1024, 384, 1536), (1024, 1536, 384), (384, 1024, 15
 GLOO_SIZES = [4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 32 << 20]
 QUEUED_SIZES, QUEUED_CALLS = [64 << 10, 256 << 10, 1 << 20], 16  # a parameter's or a bucket's size, many in a row
 KINDS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast")
+LATENCY_BYTES, LATENCY_CALLS = 64 << 10, 40  # the sizes whose time is latency (_fit), timed this many times
 
 
 def _seconds_per_call(fn, seconds: float = 0.3) -> float:
@@ -166,12 +170,14 @@ def gloo_fits(world: int) -> dict:
                     "broadcast": lambda: dist.broadcast(full, 0)}[kind]
             call()
             times = []
-            for _ in range(5):
+            for _ in range(LATENCY_CALLS if size <= LATENCY_BYTES else 5):
                 dist.barrier()
                 t0 = time.perf_counter()
                 call()
                 times.append(time.perf_counter() - t0)
-            points.append((4 * n, statistics.median(times)))
+            # A small collective's time is its latency, and a step pays the latencies of all its
+            # collectives: their mean, stalls included (module docstring), not a median.
+            points.append((4 * n, statistics.mean(times) if size <= LATENCY_BYTES else statistics.median(times)))
         out[kind] = _fit(points)
     return out
 
