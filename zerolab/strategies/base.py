@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-import math
-import time
 from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Callable, ContextManager, Iterable, Optional
@@ -39,6 +37,7 @@ from zerolab.numerics import Measure, StepInfo
 from zerolab.precision import Precision
 from zerolab.precision_modes import MODE_KEYS, Mode, lossy_settings
 from zerolab.schema import Config, StrategySettings, settings_for
+from zerolab.strategies.measured_step import measured_step
 from zerolab.strategies.transient import TransientPeak
 
 OptimizerFactory = Callable[[list[dict]], torch.optim.Optimizer]
@@ -371,30 +370,13 @@ class Strategy(abc.ABC):
 
     # ---- watching the optimizer ----------------------------------------------------------------
     def _optimizer_step(self, measure: Measure, skip: Optional[torch.Tensor] = None) -> dict:
-        """The optimizer's update, measured as `measure` asks (see step); a no-op where the device
-        flag `skip` is set (only passed to an optimizer whose skips_on_device() said yes)."""
-        opt = self.optimizer
-        if not measure:
-            opt.step() if skip is None else opt.step_unless(skip)
-            self._note_working_copies()
-            return {}
-        tracks = hasattr(opt, "pop_update_stats")  # zerolab's optimizers; torch's are only timed
-        if tracks:
-            opt.track_updates = True
-        self.ctx.synchronize()
-        t0 = time.perf_counter()
-        try:
-            opt.step()
-            self.ctx.synchronize()
-        finally:
-            if tracks:
-                opt.track_updates = False
-        extra = {"optim_step_s": time.perf_counter() - t0}
+        """The optimizer's update, measured as `measure` asks (see step; measured_step.py); a no-op
+        where the device flag `skip` is set (only passed to an optimizer whose skips_on_device() said yes)."""
+        if measure:
+            return measured_step(self.optimizer, measure, self.ctx, self._all_reduce, self._note_working_copies)
+        self.optimizer.step() if skip is None else self.optimizer.step_unless(skip)
         self._note_working_copies()
-        if tracks:
-            extra.update(self._update_ratios(opt.pop_update_stats(), per_tensor=measure >= Measure.PER_TENSOR))
-            extra.update(opt.step_stats())
-        return extra
+        return {}
 
     def _note_working_copies(self) -> None:
         """The fp32 copies a step over a stored master or state made, piece by piece
@@ -403,28 +385,3 @@ class Strategy(abc.ABC):
         if working:
             self.transient.alloc(working, "step")
             self.transient.free(working)
-
-    def _update_ratios(self, records: list[dict], per_tensor: bool) -> dict:
-        """‖Δw‖/‖w‖ over the whole model (and per tensor) from the optimizer's per-tensor sums of
-        squares; flat shards give partial sums, completed here by one all-reduce."""
-        if not records:
-            return {}
-        vec = torch.cat([torch.cat([r["update_sq"], r["weight_sq"]]) for r in records]).to(self.ctx.device)
-        if any(r["partial"] for r in records) and self.ctx.world_size > 1:
-            self._all_reduce(vec)
-        vec, out, offset = vec.double().cpu(), {}, 0
-        upd_total = weight_total = 0.0
-        for r in records:
-            n = len(r["names"])
-            upd, wsq = vec[offset:offset + n], vec[offset + n:offset + 2 * n]
-            offset += 2 * n
-            upd_total += upd.sum().item()
-            weight_total += wsq.sum().item()
-            if per_tensor:
-                for name, u, w in zip(r["names"], upd.tolist(), wsq.tolist()):
-                    if w > 0:
-                        out[f"update_ratio/{name}"] = math.sqrt(u / w)
-        if weight_total > 0:
-            out["update_ratio"] = math.sqrt(upd_total / weight_total)
-        return out
-
