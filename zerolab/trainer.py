@@ -1,11 +1,12 @@
 """The training loop: micro-batches, accumulation, step, eval, logging, checkpoints, final weights.
 
-Read it top to bottom: `Trainer.__init__` builds what a run needs, `train_step` is one optimizer
-step, `fit` the loop. What the step calls lives, in reading order, in: the strategy
-(zerolab/strategies/base.py: backward, reduce, step), the step's arithmetic (zerolab/numerics.py:
-the global norm, unscale, clip, skip), what watches the loop (zerolab/run/instruments.py: the
-progress board, faults, the memory meter, the profiler), checkpoints (zerolab/checkpoint/), and
-what a run leaves behind (zerolab/run/results.py). docs/architecture.md traces one step through them.
+Read it top to bottom: `StepCadence` says which steps log, evaluate and save, `Trainer.__init__`
+builds what a run needs, `train_step` is one optimizer step, `fit` the loop. What the step calls
+lives, in reading order, in: the strategy (zerolab/strategies/base.py: backward, reduce, step),
+the step's arithmetic (zerolab/numerics.py: the global norm, unscale, clip, skip), what watches
+the loop (zerolab/run/instruments.py: the progress board, faults, the memory meter, the
+profiler), checkpoints (zerolab/checkpoint/), and what a run leaves behind
+(zerolab/run/results.py). docs/architecture.md traces one step through them.
 Steps are counted from 0 here; records and settings name step s as s + 1 (metrics.jsonl's "step").
 """
 from __future__ import annotations
