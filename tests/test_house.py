@@ -2,8 +2,9 @@
 hold, no two zerolab modules or packages import each other (function-level imports included),
 the step reads on one screen (Trainer.train_step and Trainer.fit at most 40 lines each, naming no
 fault, progress-board or profiler call: those sit behind zerolab/run/instruments.py), no module in
-zerolab over 450 lines and no function over 60, ruff and vulture find nothing (their configuration:
-pyproject.toml, tests/vulture_whitelist.py), and the Strategy base class keeps a narrow surface."""
+zerolab over 450 lines, no class over 250 and no function over 60, ruff and vulture find nothing
+(their configuration: pyproject.toml, tests/vulture_whitelist.py), and the Strategy base class
+keeps a narrow surface."""
 import ast
 import contextlib
 import io
@@ -21,6 +22,7 @@ from conftest import ROOT, run_linter
 PACKAGE = ROOT / "zerolab"
 MAX_FUNCTION_LINES = 60
 MAX_MODULE_LINES = 450
+MAX_CLASS_LINES = 250  # a class a reader holds in their head (nanotron's ZeRO-1 optimizer is one)
 MAX_LOOP_LINES = 40  # Trainer.train_step and Trainer.fit: one screen each
 MAX_STRATEGY_SURFACE = 22  # public members of the Strategy base class (docs/writing-a-strategy.md lists them)
 
@@ -154,6 +156,27 @@ def test_no_module_or_function_is_long():
             if lines > MAX_FUNCTION_LINES:
                 long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name} ({lines} lines)")
     assert not long, long
+
+
+def long_classes(source: str) -> dict[str, int]:
+    """The classes of `source` (nested ones too) over MAX_CLASS_LINES: name -> lines."""
+    sizes = {node.name: node.end_lineno - node.lineno + 1 for node in ast.walk(ast.parse(source))
+             if isinstance(node, ast.ClassDef)}
+    return {name: n for name, n in sizes.items() if n > MAX_CLASS_LINES}
+
+
+def test_no_class_is_long():
+    """A class over MAX_CLASS_LINES is split into parts with narrow interfaces (a helper object, a
+    module of functions), not more bases: tests/test_zero_house.py holds the ZeRO package's classes
+    to one base each."""
+    long = {f"{p.relative_to(ROOT)}:{name}": n for p in sorted(PACKAGE.rglob("*.py"))
+            for name, n in long_classes(p.read_text()).items()}
+    assert not long, f"classes over {MAX_CLASS_LINES} lines (split them into parts): {long}"
+
+
+def test_the_class_scan_finds_a_long_class():
+    source = "class Short:\n    pass\n\n\nclass Outer:\n    class Long:\n" + "        x = 1\n" * MAX_CLASS_LINES
+    assert long_classes(source) == {"Outer": MAX_CLASS_LINES + 2, "Long": MAX_CLASS_LINES + 1}
 
 
 def test_the_step_reads_on_one_screen():

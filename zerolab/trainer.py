@@ -1,11 +1,12 @@
 """The training loop: micro-batches, accumulation, step, eval, logging, checkpoints, final weights.
 
-Read it top to bottom: `Trainer.__init__` builds what a run needs, `train_step` is one optimizer
-step, `fit` the loop. What the step calls lives, in reading order, in: the strategy
-(zerolab/strategies/base.py: backward, reduce, step), the step's arithmetic (zerolab/numerics.py:
-the global norm, unscale, clip, skip), what watches the loop (zerolab/run/instruments.py: the
-progress board, faults, the memory meter, the profiler), checkpoints (zerolab/checkpoint/), and
-what a run leaves behind (zerolab/run/results.py). docs/architecture.md traces one step through them.
+Read it top to bottom: `StepCadence` says which steps log, evaluate and save, `Trainer.__init__`
+builds what a run needs, `train_step` is one optimizer step, `fit` the loop. What the step calls
+lives, in reading order, in: the strategy (zerolab/strategies/base.py: backward, reduce, step),
+the step's arithmetic (zerolab/numerics.py: the global norm, unscale, clip, skip), what watches
+the loop (zerolab/run/instruments.py: the progress board, faults, the memory meter, the
+profiler), checkpoints (zerolab/checkpoint/), and what a run leaves behind
+(zerolab/run/results.py). docs/architecture.md traces one step through them.
 Steps are counted from 0 here; records and settings name step s as s + 1 (metrics.jsonl's "step").
 """
 from __future__ import annotations
@@ -14,7 +15,7 @@ import logging
 import os
 from contextlib import nullcontext
 from functools import partial
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -40,6 +41,43 @@ from zerolab.strategies import strategy_class
 from zerolab.timing import StepClock
 
 log = logging.getLogger("zerolab")
+
+
+class StepCadence:
+    """Which steps do what: log, evaluate, save, and what a logged step measures, from the settings,
+    the step a run starts at and whether the profiler wants a step (Instruments.profiles)."""
+
+    def __init__(self, cfg: Config, start_step: int, profiles: Callable[[int], bool]):
+        self.cfg, self.start_step, self.profiles = cfg, start_step, profiles
+
+    def evals_step(self, step: int) -> bool:
+        t = self.cfg.trainer
+        return bool(t.eval_every and (step + 1) % t.eval_every == 0) or step + 1 == t.max_steps
+
+    def logs_step(self, step: int) -> bool:
+        return self._reports_step(step) or self.profiles(step)
+
+    def _reports_step(self, step: int) -> bool:
+        # An eval step is always a logged step: its eval_loss needs a record to land in, whatever
+        # trainer.log_every says (eval_every need not be a multiple of log_every).
+        t, every = self.cfg.trainer, self.cfg.logging.layer_stats_every
+        return ((step + 1) % t.log_every == 0 or step == self.start_step or self.evals_step(step)
+                or bool(every and (step + 1) % every == 0))
+
+    def saves_step(self, step: int) -> bool:
+        # Every `every` steps, and the last step too: a finished run can be continued from its end.
+        every = self.cfg.checkpoint.every
+        return bool(every) and ((step + 1) % every == 0 or step + 1 == self.cfg.trainer.max_steps)
+
+    def measure(self, step: int, logged: bool) -> Measure:
+        """What the strategy measures about the update (Strategy.step): optimizer statistics cost
+        norms and a device sync, so only on logged steps; per-tensor ratios every layer_stats_every.
+        A step logged only because it is profiled measures none: its parts are then those of the
+        steps a run does not log (most of them), which is also the step the time model predicts."""
+        every = self.cfg.logging.layer_stats_every
+        if not logged or not self._reports_step(step):
+            return Measure.NOTHING
+        return Measure.PER_TENSOR if every and (step + 1) % every == 0 else Measure.OPTIMIZER
 
 
 class Trainer:
@@ -77,6 +115,7 @@ class Trainer:
         self.start_step = 0
         if cfg.checkpoint.resume:  # weights, optimizer state, RNG, loss scale; data and LR follow the step
             self.start_step = self.checkpointer.resume(self.strategy, self.schedule, self.sampler)
+        self.cadence = StepCadence(cfg, self.start_step, self.watch.profiles)
         # one history: the record is cut back to the step this run starts from (rank 0 cuts, all agree)
         run_record.cut_back_agreed(ctx, self.checkpointer, self.start_step, self.watch.fault.in_record_cut)
         self.metrics = MetricsSink(self.run_dir, cfg.logging, ctx.is_main, cfg.experiment,
@@ -98,35 +137,15 @@ class Trainer:
         if self.run_lock is not None:
             self.run_lock.release()
 
-    # ---- which steps do what ---------------------------------------------------------------------
-    def evals_step(self, step: int) -> bool:
-        t = self.cfg.trainer
-        return bool(t.eval_every and (step + 1) % t.eval_every == 0) or step + 1 == t.max_steps
-
+    # ---- which steps do what (StepCadence) -------------------------------------------------------
     def logs_step(self, step: int) -> bool:
-        return self._reports_step(step) or self.watch.profiles(step)
-
-    def _reports_step(self, step: int) -> bool:
-        # An eval step is always a logged step: its eval_loss needs a record to land in, whatever
-        # trainer.log_every says (eval_every need not be a multiple of log_every).
-        t, every = self.cfg.trainer, self.cfg.logging.layer_stats_every
-        return ((step + 1) % t.log_every == 0 or step == self.start_step or self.evals_step(step)
-                or bool(every and (step + 1) % every == 0))
+        return self.cadence.logs_step(step)
 
     def saves_step(self, step: int) -> bool:
-        # Every `every` steps, and the last step too: a finished run can be continued from its end.
-        every = self.cfg.checkpoint.every
-        return bool(every) and ((step + 1) % every == 0 or step + 1 == self.cfg.trainer.max_steps)
+        return self.cadence.saves_step(step)
 
     def measure(self, step: int, logged: bool) -> Measure:
-        """What the strategy measures about the update (Strategy.step): optimizer statistics cost
-        norms and a device sync, so only on logged steps; per-tensor ratios every layer_stats_every.
-        A step logged only because it is profiled measures none: its parts are then those of the
-        steps a run does not log (most of them), which is also the step the time model predicts."""
-        every = self.cfg.logging.layer_stats_every
-        if not logged or not self._reports_step(step):
-            return Measure.NOTHING
-        return Measure.PER_TENSOR if every and (step + 1) % every == 0 else Measure.OPTIMIZER
+        return self.cadence.measure(step, logged)
 
     # ---- one optimizer step --------------------------------------------------------------------
     def train_step(self, step: int):
@@ -194,7 +213,7 @@ class Trainer:
         if step + 1 == self.cfg.trainer.max_steps:
             run.last_record = record
         else:
-            if self.evals_step(step):
+            if self.cadence.evals_step(step):
                 self.watch.at("eval")
                 run.eval_loss = record["eval_loss"] = self.evaluate()
             self.metrics.log(record)
@@ -281,19 +300,12 @@ class Trainer:
     def _final_eval(self, summary: dict, weights, run: RunSoFar, files: FinalFiles) -> float:
         """The digest (fixed held-out logits and the gradient-noise probe, for the parity report)
         and the final eval, both collective; then the last step's record, with its eval_loss if the
-        eval completed. Returns the eval loss."""
+        eval completed (FinalFiles.final_eval). Returns the eval loss."""
         eval_loss, last = run.eval_loss, run.last_record
-        try:  # everything here evaluates the model: it may fail, the weights are safe
+        # everything here evaluates the model: it may fail, the weights are safe
+        with files.final_eval(summary, last, self.metrics.log, self.ctx.is_main):
             summary["eval_digest"] = write_digest(self.model, self.data, self.cfg.model, weights, self.run_dir,
                                                   self.ctx.is_main, self.ctx.device, save=files.save_tensors)
             if last is not None:
                 eval_loss = summary["eval_loss"] = last["eval_loss"] = self.evaluate()
-        except BaseException as err:
-            if self.ctx.is_main:  # the weights are saved; say in the summary why eval_loss is missing
-                summary["final_eval_error"] = f"{type(err).__name__}: {err}"[:1000]
-                files.save_json("summary.json", summary)
-            raise
-        finally:
-            if last is not None:
-                files.attempt("metrics.jsonl", lambda: self.metrics.log(last))
         return eval_loss

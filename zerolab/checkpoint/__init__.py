@@ -26,7 +26,7 @@ with the writing strategy's allow-list (Strategy.checkpoint_globals).
 
 The package, by concern: format (meta.json, safetensors writing, safe torch.load), reshard (the
 pieces format), store (verify, list, choose, check, publish), checkpointer (save and resume
-during training), export (export and import).
+during training; failure: a save that fails, on every rank together), export (export and import).
 """
 from zerolab.checkpoint.checkpointer import Checkpointer, checkpoint_dir
 from zerolab.checkpoint.export import EXPORT_DTYPES, export, export_main, import_weights

@@ -23,18 +23,10 @@ from zerolab.checkpoint.format import FORMAT, FORMAT_VERSION, META, CheckpointEr
     write_safetensors
 from zerolab.checkpoint.reshard import BUFFER_PREFIX, PieceReader, buffer_source, module_buffers, optimizer_scalars, \
     restore_optimizer_scalars, rng_tensors
-from zerolab.checkpoint import room
-from zerolab.checkpoint.store import (bytes_of, check_compatible, list_checkpoints, make_room, newest_good, prune,
-                                      publish, resolve, verify)
+from zerolab.checkpoint.failure import agree, on_every_rank, save_failure
+from zerolab.checkpoint.store import check_compatible, make_room, newest_good, prune, publish, resolve, verify
 
 log = logging.getLogger("zerolab")
-
-
-def _on_every_rank(err: CheckpointError) -> CheckpointError:
-    """Every rank raises this same error at the same point (the verdict was shared by a collective):
-    rank 0 alone prints it (zerolab.job.run)."""
-    err.same_on_every_rank = True
-    return err
 
 
 def checkpoint_dir(cfg, run_dir: str) -> str:
@@ -77,23 +69,23 @@ class Checkpointer:
                 shutil.rmtree(tmp, ignore_errors=True)
                 os.makedirs(tmp)
             except OSError as err:
-                failure = self._failure(step, err, tmp)
-        self._agree(ctx.gather_objects(failure), tmp)
+                failure = save_failure(self, step, err, tmp)
+        agree(ctx.gather_objects(failure), tmp)
         report, where = None, os.path.join(tmp, f"rank{ctx.rank}.safetensors")
         try:
             report = self._write_rank_file(tmp, step, strategy)  # collective where the strategy gathers
         except Exception as err:  # noqa: BLE001  (torch.save reports a full disk as RuntimeError)
-            failure = self._failure(step, err, where)
+            failure = save_failure(self, step, err, where)
         reports = ctx.gather_objects(report if failure is None else {"failure": failure})
-        self._agree([r.get("failure") for r in reports], tmp)
+        agree([r.get("failure") for r in reports], tmp)
         if ctx.is_main:
             try:
                 meta = self._meta(step, strategy, schedule, sampler, reports)
                 publish(tmp, final, self.dir, meta_text(meta))
                 prune(self.dir, self.cfg.checkpoint.keep_last)
             except OSError as err:
-                failure = self._failure(step, err, os.path.join(tmp, META))
-        self._agree([ctx.broadcast_object(failure)], tmp)
+                failure = save_failure(self, step, err, os.path.join(tmp, META))
+        agree([ctx.broadcast_object(failure)], tmp)
         if ctx.is_main:
             log.info("checkpoint: step %d saved to %s", step, final)
         self.last_saved = final
@@ -117,69 +109,6 @@ class Checkpointer:
         info = write_safetensors(os.path.join(tmp, fname), entries, {"format": FORMAT, "rank": ctx.rank, "step": step})
         return {"file": fname, "rank": ctx.rank, **info, "pieces": index,
                 "scalars": optimizer_scalars(strategy.optimizer_states())}
-
-    def _failure(self, step: int, err: Exception, writing: str) -> str:
-        """One paragraph: where, what happened, how much room the rest of the run needs and where it
-        can be made, what to do."""
-        import errno
-
-        where = getattr(err, "filename", None) or writing  # a failed write() names no file
-        kept = list_checkpoints(self.dir)
-        prev = kept[0] if kept else None
-        if getattr(err, "errno", None) in (errno.ENOSPC, errno.EDQUOT):
-            what = "no space left on the device" if err.errno == errno.ENOSPC else "disk quota exceeded"
-            try:
-                what, fix = self._room_advice(step, prev, kept, what)
-            except OSError:  # the filesystem cannot even be measured
-                fix = f"free space under {self.dir}, or point checkpoint.dir at a larger filesystem"
-        else:
-            what = getattr(err, "strerror", None) or f"{type(err).__name__}: {err}"
-            fix = f"check that {self.dir} is writable and has space"
-        intact = (f"The previous checkpoint {prev} is intact: continue from it with checkpoint.resume=auto (or "
-                  f"checkpoint.resume={prev} with another checkpoint.dir)" if prev else
-                  f"No earlier checkpoint exists: start again with run.overwrite=true run.dir={self.run_dir} (the "
-                  "run directory holds this run's record, so the same command, or checkpoint.resume=auto, is "
-                  "refused)")
-        return (f"rank {self.ctx.rank}: saving the checkpoint of step {step} failed writing {where}: {what}. "
-                f"The unfinished save was removed. To fix: {fix}. {intact}.")
-
-    def _room_advice(self, step: int, prev: "str | None", kept: list, what: str) -> tuple[str, str]:
-        """(what happened, what to do) for a full disk: the bytes the rest of the run writes on each
-        filesystem after a resume from `prev` (zerolab.checkpoint.room), against what is free there."""
-        keep = self.cfg.checkpoint.keep_last
-        held = max(keep - 1, 1) if keep > 0 else len(kept)
-        resume_at = room.step_of(prev) if prev else 0
-        # A checkpoint of this run on this disk (with a margin for what a save writes beside it), or
-        # before the first one an estimate from the model's size.
-        need = bytes_of(prev) + room.SAVE_MARGIN_BYTES if prev else room.checkpoint_estimate(self.layout)
-        rest = room.rest_of_run(self.cfg, self.layout, self.run_dir, self.dir, resume_at, need, len(kept))
-        elsewhere = room.saves_beyond_kept(self.cfg, resume_at, 0)  # an empty checkpoint.dir, resumed from prev
-        mount = room.mount_point(self.dir)
-        tmp = os.path.join(self.dir, f".tmp-step_{step:08d}")  # removed before the error is raised
-        freed = bytes_of(tmp) if os.path.isdir(tmp) else 0
-        rest = [(m, n, f + freed if f is not None and m == mount else f, parts) for m, n, f, parts in rest]
-        free = next(f for m, _, f, _ in rest if m == mount)
-        what += (f"; a checkpoint of this run takes {need} bytes on this disk ("
-                 + (f"the previous one, plus {room.SAVE_MARGIN_BYTES // 1024} KiB of margin" if prev else "estimated")
-                 + f") and {free} bytes are free beside what is kept: while it writes a checkpoint zerolab keeps "
-                 f"{held} older one(s) (checkpoint.keep_last={keep}; the newest good one always)")
-        shared = len(rest) == 1
-        fix = (room.free_advice(rest) or f"free space on the filesystem mounted at {mount}") + (
-            f" ({self.dir} holds only what must be kept" + (f"; the run directory {self.run_dir} is on the same "
-                                                            "filesystem)" if shared else ")"))
-        fix += (f", or point checkpoint.dir at a filesystem with room for {elsewhere} checkpoints "
-                f"({elsewhere * need} bytes)" + (" and leave the run directory's filesystem the room its end "
-                                                 "needs" if shared else ""))
-        return what, fix
-
-    def _agree(self, failures: list, tmp: str) -> None:
-        """Every rank holds the same list of failures (one collective gave it to all): if any rank
-        failed, all remove the temp directory and raise together, nobody waits in a collective."""
-        failed = [f for f in failures if f]
-        if failed:
-            shutil.rmtree(tmp, ignore_errors=True)  # shared or node-local: each rank removes what it sees
-            raise _on_every_rank(CheckpointError(
-                failed[0] + (f" ({len(failed) - 1} other rank(s) failed too)" if len(failed) > 1 else "")))
 
     def _meta(self, step, strategy, schedule, sampler, reports) -> dict:
         import safetensors
@@ -240,7 +169,7 @@ class Checkpointer:
                 choice = ("error", str(err))
         status, value = ctx.broadcast_object(choice)
         if status == "error":
-            raise _on_every_rank(CheckpointError(value))  # rank 0 decided for all: it alone says it
+            raise on_every_rank(CheckpointError(value))  # rank 0 decided for all: it alone says it
         if value is None:
             return 0
         path = value
@@ -248,7 +177,7 @@ class Checkpointer:
             meta = read_meta(path)
             check_compatible(meta, path, cfg, strategy, self.layout)
         except CheckpointError as err:
-            raise _on_every_rank(err)
+            raise on_every_rank(err)
         step = int(meta["step"])
         # The steps the restored optimizer did not count (the skipped updates; every step before an
         # import, whose optimizer starts afresh at 0): the base of this run's own skipped_updates.

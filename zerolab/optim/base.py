@@ -1,5 +1,5 @@
 """What zerolab's optimizers share: kernel choice, flat-group plumbing, and the numbers the
-trainer logs about each step (update-to-weight ratios, trust ratios).
+trainer logs about each step (update-to-weight ratios, trust ratios: kept in update_stats.py).
 
 Every zerolab optimizer computes the step of each tensor into one temporary per tensor (the
 same as torch's foreach AdamW keeps for its denominator) and adds it to the weights; AdamW's
@@ -26,13 +26,14 @@ for them the strategy decides on the host.
 """
 from __future__ import annotations
 
-from typing import Iterable, Iterator
+from typing import Iterator
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
 from zerolab.optim import stored
-from zerolab.optim.segments import LOW_PRECISION, is_flat_group, per_tensor_sum_sq, upcast
+from zerolab.optim.segments import LOW_PRECISION, is_flat_group, per_tensor_sum_sq, whole_tensor_sum_sq
+from zerolab.optim.update_stats import UpdateStats
 
 IMPLS = ("auto", "foreach", "for_loop")
 # Tensor types the fused kernels take. A dry run's tensors are FakeTensors (zerolab.rehearsal) and
@@ -55,8 +56,7 @@ class ZerolabOptimizer(torch.optim.Optimizer):
         super().__init__(params, defaults)
         self.track_updates = False
         self._found_inf: torch.Tensor | None = None  # step_unless's flag, fp32 0-dim, during step() only
-        self._update_stats: list[dict] = []
-        self._trust_ratios: list[torch.Tensor] = []
+        self.update_stats = UpdateStats()  # what the step records (update_stats.py): a fresh one every step()
         self.last_working_bytes = 0  # the last step's largest set of fp32 copies of stored groups (stored.py)
 
     # ---- helpers for subclasses ---------------------------------------------------------------
@@ -154,13 +154,13 @@ class ZerolabOptimizer(torch.optim.Optimizer):
         if self.track_updates and params[0].dtype in LOW_PRECISION:
             # 16-bit weights updated in place (precision=bf16_pure, whole tensors or a ZeRO shard):
             # rounding can swallow the update, so record the change that actually landed.
-            before = self._snapshot(params)
+            before = self.update_stats.snapshot(params)
             for p, u in zip(params, updates):
                 p.mul_(1 - decay).add_(u)
-            self._record_landed(group, params, before, names)
+            self.update_stats.record_landed(group, params, before, names)
             return
         if self.track_updates:
-            self._record(group, params, updates, names, decay)
+            self.update_stats.record(group, params, updates, names, decay)
         foreach = self._foreach(params)
         if decay:
             if foreach:
@@ -180,38 +180,17 @@ class ZerolabOptimizer(torch.optim.Optimizer):
         and changes nothing where found_inf is set (step_unless's flag, or None); `steps`, the
         counters _device_steps advanced, go back by the flag. On logged steps (track_updates)
         record what landed, from a snapshot taken before."""
-        before = self._snapshot(params) if self.track_updates else None
+        before = self.update_stats.snapshot(params) if self.track_updates else None
         kernel(self._found_inf)
         if self._found_inf is not None and steps:
             torch._foreach_sub_(list(steps), self._found_inf)
         if before is not None:
-            self._record_landed(group, params, before, names)
+            self.update_stats.record_landed(group, params, before, names)
 
     def _fused_group(self, group: dict) -> bool:
         """Whether this group's update runs in a fused kernel that takes a found-inf flag
         (subclasses with one say when; the composed paths never do)."""
         return False
-
-    @staticmethod
-    def _snapshot(params: list[torch.Tensor]) -> list[torch.Tensor]:
-        """The weights before an update (fp32 copies of 16-bit ones), for _record_landed."""
-        return [upcast(p.detach()).clone() for p in params]
-
-    def _record_landed(self, group: dict, params: list[torch.Tensor], before: list[torch.Tensor],
-                       names: list[str]) -> None:
-        """Record ‖Δw‖² and ‖w‖² from the weights before (`before`) and after the update: used where
-        Δw is never materialised (a fused kernel) or rounding may swallow part of it (16-bit)."""
-        diffs = [upcast(p.detach()) - b for p, b in zip(params, before)]
-        if is_flat_group(group):
-            segs, n = group["shard"].segments, group["shard"].n_tensors
-            upd_sq, w_sq = per_tensor_sum_sq(diffs, segs, n), per_tensor_sum_sq(before, segs, n)
-            names = list(group["names"])
-        else:
-            # per-tensor sums (not _foreach_norm): FSDP's bf16_pure weights are DTensors
-            upd_sq = torch.stack([d.pow(2).sum() for d in diffs])
-            w_sq = torch.stack([b.pow(2).sum() for b in before])
-        self._update_stats.append({"names": names, "partial": is_flat_group(group), "update_sq": upd_sq,
-                                   "weight_sq": w_sq})
 
     def _fusable(self, *lists: list[torch.Tensor]) -> bool:
         """Whether torch's fused kernel can run over these tensors: impl auto, and every tensor a
@@ -231,37 +210,9 @@ class ZerolabOptimizer(torch.optim.Optimizer):
         """The named state tensors of `params` that exist already (none before the first step)."""
         return [self.state[p][n] for p in params for n in names if n in self.state[p]]
 
-    def _record(self, group: dict, params: list[torch.Tensor], updates: list[torch.Tensor],
-                names: list[str], decay: float = 0.0) -> None:
-        """Per tensor ‖s − decay·w‖² = ‖s‖² − 2·decay·⟨s, w⟩ + decay²·‖w‖², and ‖w‖², without
-        materialising Δw (flat groups: this rank's partial sums over its segments)."""
-        if is_flat_group(group):
-            segs, n = group["shard"].segments, group["shard"].n_tensors
-            s_sq, w_sq = per_tensor_sum_sq(updates, segs, n), per_tensor_sum_sq(params, segs, n)
-            dot = torch.zeros(n, dtype=s_sq.dtype, device=params[0].device)
-            if decay:
-                for seg in segs:
-                    u, w = updates[seg.slab][seg.start:seg.end], params[seg.slab][seg.start:seg.end]
-                    dot[seg.tensor] += torch.dot(upcast(u), upcast(w))
-            names = list(group["names"])
-        elif params:
-            s_sq, w_sq = _sum_sq(updates), _sum_sq(params)
-            # (u * w).sum(), not dot of flattened views: FSDP2's unevenly sharded DTensors cannot flatten
-            dot = torch.stack([(upcast(u) * upcast(w)).sum() for u, w in zip(updates, params)]) \
-                if decay else torch.zeros_like(s_sq)
-        else:
-            return
-        upd_sq = (s_sq - 2 * decay * dot + decay * decay * w_sq).clamp_min(0)
-        self._update_stats.append({"names": names, "partial": is_flat_group(group), "update_sq": upd_sq,
-                                   "weight_sq": w_sq})
-
-    def _record_trust(self, ratios: torch.Tensor) -> None:
-        """Keep this step's trust ratios (no device sync here; step_stats() reads them)."""
-        self._trust_ratios.append(ratios.detach())
-
     # ---- the optimizer's side of the metrics ------------------------------------------------
     def step(self, closure=None):
-        self._update_stats, self._trust_ratios, self.last_working_bytes = [], [], 0
+        self.update_stats, self.last_working_bytes = UpdateStats(), 0
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -300,31 +251,20 @@ class ZerolabOptimizer(torch.optim.Optimizer):
     def pop_update_stats(self) -> list[dict]:
         """Per group: names, update_sq and weight_sq per tensor, and whether they are partial
         (flat shard: the caller must sum them over ranks). Empty unless track_updates was set."""
-        out, self._update_stats = self._update_stats, []
+        out, self.update_stats.updates = self.update_stats.updates, []
         return out
 
     def step_stats(self) -> dict[str, float]:
         """min/median/max of the last step's trust ratios over tensors (LAMB/LARS; {} otherwise).
         Under flat groups every rank holds the complete per-tensor vector after its all-reduce."""
-        if not self._trust_ratios:
-            return {}
-        r = torch.cat([t.flatten().float() for t in self._trust_ratios]).cpu()
-        return {"trust_ratio_min": r.min().item(), "trust_ratio_median": r.median().item(),
-                "trust_ratio_max": r.max().item()}
-
-
-def _sum_sq(tensors: Iterable[torch.Tensor]) -> torch.Tensor:
-    tensors = list(tensors)
-    norms = torch._foreach_norm([upcast(t) for t in tensors])
-    dtype = torch.float64 if any(n.dtype == torch.float64 for n in norms) else torch.float32
-    return torch.stack([n.to(dtype) for n in norms]).pow(2)
+        return self.update_stats.trust_summary()
 
 
 def per_tensor_norms(tensors: list[torch.Tensor]) -> torch.Tensor:
     """L2 norm of each tensor (fp32 for 16-bit tensors, else their own dtype), as one vector."""
     if not tensors:
         return torch.zeros(0)
-    return _sum_sq(tensors).sqrt()
+    return whole_tensor_sum_sq(tensors).sqrt()
 
 
 def layer_norms(group: dict, a: list[torch.Tensor], b: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:

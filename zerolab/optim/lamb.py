@@ -65,7 +65,7 @@ class Lamb(ZerolabOptimizer):
         if group["trust_ratio"]:
             w_norm, u_norm = layer_norms(group, params, updates)
             ratio = trust_ratio(w_norm, u_norm, group["max_trust_ratio"])
-            self._record_trust(ratio)
+            self.update_stats.record_trust(ratio)
             scale_per_tensor(group, updates, ratio * -lr)
         else:
             torch._foreach_mul_(updates, -lr)

@@ -52,7 +52,7 @@ class Lars(ZerolabOptimizer):
             local = trust_ratio(group["trust_coefficient"] * w_norm, g_norm + wd * w_norm + group["eps"],
                                 group["max_trust_ratio"])
             local = torch.where((w_norm > 0) & (g_norm > 0), local, torch.ones_like(local))
-            self._record_trust(local)
+            self.update_stats.record_trust(local)
             scale_per_tensor(group, d, local * lr)
         else:
             for ds, in self._chunks(group, d):

@@ -16,7 +16,7 @@ step allocates no shard-sized temporary; fresh allocations that large cost page 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterable
 
 import torch
 
@@ -59,3 +59,11 @@ def per_tensor_sum_sq(slabs: list[torch.Tensor], segments: list[Segment], n_tens
     for s in segments:
         out[s.tensor] += upcast(slabs[s.slab][s.start:s.end]).pow(2).sum()
     return out
+
+
+def whole_tensor_sum_sq(tensors: Iterable[torch.Tensor]) -> torch.Tensor:
+    """‖t‖² of each whole tensor (fp32 for 16-bit tensors, fp64 if any is fp64), as one vector."""
+    tensors = list(tensors)
+    norms = torch._foreach_norm([upcast(t) for t in tensors])
+    dtype = torch.float64 if any(n.dtype == torch.float64 for n in norms) else torch.float32
+    return torch.stack([n.to(dtype) for n in norms]).pow(2)

@@ -158,7 +158,7 @@ def step_group(opt, group: dict) -> None:
     finally:
         opt.track_updates = tracking
     if record is not None:
-        opt._update_stats.append(record.result())
+        opt.update_stats.updates.append(record.result())
 
 
 def _run_slices(opt, group: dict, slices, steps0: dict, dtype: torch.dtype, record) -> None:

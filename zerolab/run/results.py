@@ -9,6 +9,7 @@ checkpoint, when checkpoint.every is set). No traceback: the disk is full, nothi
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import math
@@ -69,6 +70,22 @@ class FinalFiles:
 
     def save_json(self, name: str, obj) -> bool:
         return self.attempt(name, lambda: atomic_write_json(os.path.join(self.run_dir, name), obj))
+
+    @contextlib.contextmanager
+    def final_eval(self, summary: dict, last: Optional[dict], log: Callable[[dict], Optional[str]], is_main: bool):
+        """Around the run's final evaluations, after the weights and summary.json are written: one
+        that fails is said in summary.json (rank 0) and raised; the last step's record `last` (None
+        when the last step did not run here) is written with `log` either way."""
+        try:
+            yield
+        except BaseException as err:
+            if is_main:  # the weights are saved; say in the summary why eval_loss is missing
+                summary["final_eval_error"] = f"{type(err).__name__}: {err}"[:1000]
+                self.save_json("summary.json", summary)
+            raise
+        finally:
+            if last is not None:
+                self.attempt("metrics.jsonl", lambda: log(last))
 
     def problem(self, steps: int, last_checkpoint: Optional[str]) -> Optional[ResultsNotWritten]:
         """One paragraph when something did not fit, None when everything was written."""

@@ -15,14 +15,14 @@ A strategy is a small core plus what it declares (docs/writing-a-strategy.md lis
   classes    check_config, reads, label, known_cause, lossy, predict_memory, memory_identity
 
 The arithmetic of the step (the global norm, unscale, clip, skip) is zerolab/numerics.py's; a
-strategy hands its fp32 gradients to `_update` and gets a StepInfo back.
+strategy hands its fp32 gradients to `_update` and gets a StepInfo back. What a logged step
+measures about the update is strategies/measured_step.py's; what the "pieces" checkpoint hooks
+share, strategies/pieces.py's.
 """
 from __future__ import annotations
 
 import abc
 import dataclasses
-import math
-import time
 from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Callable, ContextManager, Iterable, Optional
@@ -34,11 +34,13 @@ import torch.nn as nn
 from zerolab import numerics
 from zerolab.comm import CommCounter
 from zerolab.dist import DistContext
-from zerolab.errors import CheckpointError, ConfigError
+from zerolab.errors import ConfigError
 from zerolab.numerics import Measure, StepInfo
 from zerolab.precision import Precision
 from zerolab.precision_modes import MODE_KEYS, Mode, lossy_settings
 from zerolab.schema import Config, StrategySettings, settings_for
+from zerolab.strategies.measured_step import measured_step
+from zerolab.strategies.pieces import ShardPiece, kinds_to_load, materialise_state  # noqa: F401  (re-exported)
 from zerolab.strategies.transient import TransientPeak
 
 OptimizerFactory = Callable[[list[dict]], torch.optim.Optimizer]
@@ -81,59 +83,10 @@ class Lossy:
     forward_levels: int = 0
 
 
-@dataclass
-class ShardPiece:
-    tensor: torch.Tensor  # 1-D, elements [start, end) of the flattened full tensor
-    start: int
-    end: int
-    shape: tuple  # shape of the full tensor
-
-
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
     """Every group's lr, scaled by its own lr_scale (zerolab.optim's per-group factor)."""
     for group in optimizer.param_groups:
         group["lr"] = lr * group.get("lr_scale", 1.0)
-
-
-@torch.no_grad()
-def materialise_state(optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> None:
-    """Create the optimizer's state for `params` before a checkpoint is loaded into it. torch's,
-    zerolab's and DeepSpeed's optimizers create their state at their first step, so one step with
-    zero gradients at lr 0 creates every entry, in the optimizer's own dtypes and types, and changes
-    no weight (the update and the decoupled decay are multiplied by lr); the loaded values then
-    overwrite the tensors, and zerolab.checkpoint the counters. Gradients are put back as they were."""
-    if all(optimizer.state.get(p) for p in params):
-        return
-    grads = [p.grad for p in params]
-    lrs = [g["lr"] for g in optimizer.param_groups]
-    for p in params:  # (not zeros_like: a stand-in master's strides are all 0)
-        p.grad = torch.zeros(p.shape, dtype=p.dtype, device=p.device)
-    for g in optimizer.param_groups:
-        g["lr"] = 0.0
-    try:
-        optimizer.step()
-    finally:
-        for g, lr in zip(optimizer.param_groups, lrs):
-            g["lr"] = lr
-        for p, grad in zip(params, grads):
-            p.grad = grad
-
-
-def kinds_to_load(read, name: str, held: list[str], who: str) -> list[str]:
-    """The optimizer-state kinds of parameter `name` to read from a checkpoint into a reader whose
-    optimizer keeps `held`: all of them when the checkpoint saved the same kinds; none when it saved
-    none (a weights-only import, or an optimizer that had not stepped: the reader's fresh zeros are
-    that state). Any other mismatch is refused before a tensor changes, naming the way out."""
-    saved = sorted(read.kinds(name))
-    if not saved:
-        return []
-    if saved != sorted(held):
-        raise CheckpointError(
-            f"{read.path}: the checkpoint holds optimizer state {saved} for {name}, and {who} keeps "
-            f"{sorted(held) or 'none'}: it cannot hold what was saved. Resume with the optimizer that wrote it "
-            "(meta.json's \"optimizer\") under a strategy that runs it, or export its weights (python -m zerolab "
-            "export CKPT --as-checkpoint --out DIR) and start a fresh optimizer from them")
-    return saved
 
 
 def larger_of(before: dict[str, int], now: dict[str, int]) -> dict[str, int]:
@@ -215,12 +168,7 @@ class Strategy(abc.ABC):
         if pending is not None:
             pending.report(self.precision.scaler, self._skips(), self.step_count - 1)
 
-    # ---- checkpoints, format "pieces" ------------------------------------------------------------
-    # A rank's checkpoint state is a set of pieces "<kind>/<param name>" -> ShardPiece, where kind
-    # is "master" (fp32 weights; the weights themselves for fp32 strategies) or an optimizer state
-    # name ("exp_avg", "exp_avg_sq", "momentum_buffer", ...). A piece is a 1-D slice [start, end)
-    # of the flattened tensor. Loading asks for exactly the ranges this rank now owns, so a
-    # checkpoint written by N ranks of one strategy loads into M ranks of another.
+    # ---- checkpoints, format "pieces" (pieces.py: what a piece is, and what loading them shares) ----
     def checkpoint_state(self) -> dict[str, ShardPiece]:
         raise NotImplementedError(f"strategy {self.name} does not write the pieces format")
 
@@ -371,30 +319,13 @@ class Strategy(abc.ABC):
 
     # ---- watching the optimizer ----------------------------------------------------------------
     def _optimizer_step(self, measure: Measure, skip: Optional[torch.Tensor] = None) -> dict:
-        """The optimizer's update, measured as `measure` asks (see step); a no-op where the device
-        flag `skip` is set (only passed to an optimizer whose skips_on_device() said yes)."""
-        opt = self.optimizer
-        if not measure:
-            opt.step() if skip is None else opt.step_unless(skip)
-            self._note_working_copies()
-            return {}
-        tracks = hasattr(opt, "pop_update_stats")  # zerolab's optimizers; torch's are only timed
-        if tracks:
-            opt.track_updates = True
-        self.ctx.synchronize()
-        t0 = time.perf_counter()
-        try:
-            opt.step()
-            self.ctx.synchronize()
-        finally:
-            if tracks:
-                opt.track_updates = False
-        extra = {"optim_step_s": time.perf_counter() - t0}
+        """The optimizer's update, measured as `measure` asks (see step; measured_step.py); a no-op
+        where the device flag `skip` is set (only passed to an optimizer whose skips_on_device() said yes)."""
+        if measure:
+            return measured_step(self.optimizer, measure, self.ctx, self._all_reduce, self._note_working_copies)
+        self.optimizer.step() if skip is None else self.optimizer.step_unless(skip)
         self._note_working_copies()
-        if tracks:
-            extra.update(self._update_ratios(opt.pop_update_stats(), per_tensor=measure >= Measure.PER_TENSOR))
-            extra.update(opt.step_stats())
-        return extra
+        return {}
 
     def _note_working_copies(self) -> None:
         """The fp32 copies a step over a stored master or state made, piece by piece
@@ -403,28 +334,3 @@ class Strategy(abc.ABC):
         if working:
             self.transient.alloc(working, "step")
             self.transient.free(working)
-
-    def _update_ratios(self, records: list[dict], per_tensor: bool) -> dict:
-        """‖Δw‖/‖w‖ over the whole model (and per tensor) from the optimizer's per-tensor sums of
-        squares; flat shards give partial sums, completed here by one all-reduce."""
-        if not records:
-            return {}
-        vec = torch.cat([torch.cat([r["update_sq"], r["weight_sq"]]) for r in records]).to(self.ctx.device)
-        if any(r["partial"] for r in records) and self.ctx.world_size > 1:
-            self._all_reduce(vec)
-        vec, out, offset = vec.double().cpu(), {}, 0
-        upd_total = weight_total = 0.0
-        for r in records:
-            n = len(r["names"])
-            upd, wsq = vec[offset:offset + n], vec[offset + n:offset + 2 * n]
-            offset += 2 * n
-            upd_total += upd.sum().item()
-            weight_total += wsq.sum().item()
-            if per_tensor:
-                for name, u, w in zip(r["names"], upd.tolist(), wsq.tolist()):
-                    if w > 0:
-                        out[f"update_ratio/{name}"] = math.sqrt(u / w)
-        if weight_total > 0:
-            out["update_ratio"] = math.sqrt(upd_total / weight_total)
-        return out
-
