@@ -9,7 +9,10 @@ collective alone, the median over --trials rounds. Two tables:
 - by the compute between meetings (a 4-byte all-reduce after 2, 8, 32 and 128 matmuls): the
   difference above, and the time the ranks spent inside the all-reduce less its time alone, which
   is what a profile counts as exposed communication;
-- by the collective (all-reduce, all-gather, reduce-scatter of 4 B to 3 MiB after 32 matmuls).
+- by the collective (all-reduce, all-gather, reduce-scatter of 4 B to 3 MiB after 32 matmuls);
+- each collective alone at the sizes the calibration takes its latency from (4-64 KiB), 40 calls
+  with a barrier before each: the median of the first 5 (what the calibration kept before
+  2f03e4b), the median and the mean of all 40, the slowest.
 
 The calibration (zerolab/predict/calibrate.py, meeting_cost) measures the second table's first
 cell: a 4-byte all-reduce after 32 matmuls.
@@ -30,6 +33,7 @@ import torch.multiprocessing as mp
 CHUNKS = (2, 8, 32, 128)
 SIZES = (4, 64 << 10, 768 << 10, 3 << 20)
 KINDS = ("all_reduce", "all_gather", "reduce_scatter")
+LATENCY_SIZES, LATENCY_CALLS = (4 << 10, 16 << 10, 64 << 10), 40
 
 
 def _timed(fn, n: int) -> float:
@@ -72,6 +76,8 @@ def _worker(rank: int, world: int, init: str, trials: int, out: str) -> None:
     def call_of(kind: str, size: int):
         n = max(size // 4 // world * world, world)
         full, part = torch.ones(n), torch.ones(n // world)
+        if kind.startswith("broadcast"):
+            return lambda: dist.broadcast(full, 0)
         return {"all_reduce": lambda: dist.all_reduce(full),
                 "all_gather": lambda: dist.all_gather_single(full, part),
                 "reduce_scatter": lambda: dist.reduce_scatter_single(part, full)}[kind]
@@ -86,11 +92,27 @@ def _worker(rank: int, world: int, init: str, trials: int, out: str) -> None:
         for size in SIZES:
             got = [_meeting(chunk_of(32), call_of(kind, size), 12) for _ in range(trials)]
             rows.append((kind, size, 0.0, [g[0] for g in got], [g[1] for g in got]))
+    for kind in (*KINDS, "broadcast"):
+        for size in LATENCY_SIZES:
+            call = call_of(kind, size) if kind != "broadcast" else call_of("broadcast_" + str(size), size)
+            call()
+            times = []
+            for _ in range(LATENCY_CALLS):
+                dist.barrier()
+                t0 = time.perf_counter()
+                call()
+                times.append(time.perf_counter() - t0)
+            rows.append(("alone " + kind, size, 0.0, times, [statistics.median(times[:5])]))
     every = [None] * world
     dist.all_gather_object(every, rows)
     if rank == 0:
         with open(out, "w") as f:
             for i, (what, x, chunk_s, _, _) in enumerate(rows):
+                if what.startswith("alone"):  # rank 0's calls: each call's time is the same on every rank, within skew
+                    t = rows[i][3]
+                    f.write(f"{what}\t{x}\t{rows[i][4][0]}\t{statistics.median(t)}\t{statistics.mean(t)}\t"
+                            f"{max(t)}\t0\n")
+                    continue
                 loops = [statistics.median(r[i][3]) for r in every]
                 insides = [statistics.median(r[i][4]) for r in every]
                 spread = [min(min(r[i][3]) for r in every), max(max(r[i][3]) for r in every)]
@@ -124,9 +146,15 @@ def main() -> int:
     print("\n| collective after 32 matmuls | bytes | meeting | inside, less alone |")
     print("|---|---:|---:|---:|")
     for what, x, _, loop, lo, hi, inside in rows:
-        if what != "chunk":
+        if what != "chunk" and not what.startswith("alone"):
             print(f"| {what} | {int(x)} | {float(loop) * 1e3:.2f} [{float(lo) * 1e3:.2f}, {float(hi) * 1e3:.2f}] "
                   f"| {float(inside) * 1e3:.2f} |")
+    print(f"\n| alone, {LATENCY_CALLS} calls (rank 0) | bytes | median of the first 5 | median | mean | slowest |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for what, x, first5, median, mean, slowest, _ in rows:
+        if what.startswith("alone"):
+            print(f"| {what[6:]} | {int(x)} | {float(first5) * 1e3:.2f} | {float(median) * 1e3:.2f} | "
+                  f"{float(mean) * 1e3:.2f} | {float(slowest) * 1e3:.2f} |")
     return 0
 
 

@@ -67,7 +67,8 @@ def main(overrides: list[str]) -> int:
             return proc.returncode
         steps = [[json.loads(line) for line in open(os.path.join(d, f"rank{r}.jsonl"))] for r in (0, 1)]
     print(f"{' '.join(overrides)}: 2 ranks, load average {load:.2f} before, {os.getloadavg()[0]:.2f} after")
-    print("\n| profiled step | rank 1 behind rank 0 at most, ms | ahead at most, ms | waits rank 0, ms | waits rank 1, ms |")
+    print("\n| profiled step | rank 1 behind rank 0 at most, ms | ahead at most, ms | waits rank 0, ms "
+          "| waits rank 1, ms |")
     print("|---:|---:|---:|---:|---:|")
     behind, ahead = [], []
     for i, (s0, s1) in enumerate(zip(*steps)):
@@ -75,7 +76,8 @@ def main(overrides: list[str]) -> int:
         behind.append(max(0.0, max(lags)))
         ahead.append(max(0.0, -min(lags)))
         waits = [sum(t1 - t0 for t0, t1 in s["waits"]) for s in (s0, s1)]
-        print(f"| {i + 1} | {behind[-1] * 1e3:.1f} | {ahead[-1] * 1e3:.1f} | {waits[0] * 1e3:.1f} | {waits[1] * 1e3:.1f} |")
+        print(f"| {i + 1} | {behind[-1] * 1e3:.1f} | {ahead[-1] * 1e3:.1f} | {waits[0] * 1e3:.1f} "
+              f"| {waits[1] * 1e3:.1f} |")
     print(f"\nmedian over the steps: rank 1 behind at most {statistics.median(behind) * 1e3:.1f} ms, "
           f"ahead at most {statistics.median(ahead) * 1e3:.1f} ms")
     s0, s1 = steps[0][len(steps[0]) // 2], steps[1][len(steps[1]) // 2]
