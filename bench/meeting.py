@@ -30,26 +30,20 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from zerolab.predict.calibrate import aligned_seconds  # noqa: E402
+
 CHUNKS = (2, 8, 32, 128)
 SIZES = (4, 64 << 10, 768 << 10, 3 << 20)
 KINDS = ("all_reduce", "all_gather", "reduce_scatter")
 LATENCY_SIZES, LATENCY_CALLS = (4 << 10, 16 << 10, 64 << 10), 40
 
 
-def _timed(fn, n: int) -> float:
-    fn()
-    dist.barrier()
-    t0 = time.perf_counter()
-    for _ in range(n):
-        fn()
-    return (time.perf_counter() - t0) / n
-
-
 def _meeting(chunk, call, n: int) -> tuple[float, float]:
     """(the loop's time less the chunk's and the call's alone, the mean time inside the call in the
     loop less its time alone), seconds."""
-    before = _timed(chunk, n)
-    alone = _timed(call, 30)
+    before = aligned_seconds(chunk, n)
+    alone = aligned_seconds(call, 30)
     inside = []
 
     def both():
@@ -57,8 +51,8 @@ def _meeting(chunk, call, n: int) -> tuple[float, float]:
         t0 = time.perf_counter()
         call()
         inside.append(time.perf_counter() - t0)
-    loop = _timed(both, n)
-    after = _timed(chunk, n)
+    loop = aligned_seconds(both, n)
+    after = aligned_seconds(chunk, n)
     return loop - (before + after) / 2 - alone, statistics.mean(inside) - alone
 
 
@@ -87,7 +81,7 @@ def _worker(rank: int, world: int, init: str, trials: int, out: str) -> None:
     for k in CHUNKS:
         c = chunk_of(k)
         got = [_meeting(c, flag, max(4, 512 // k)) for _ in range(trials)]
-        rows.append(("chunk", k, _timed(c, max(4, 512 // k)), [g[0] for g in got], [g[1] for g in got]))
+        rows.append(("chunk", k, aligned_seconds(c, max(4, 512 // k)), [g[0] for g in got], [g[1] for g in got]))
     for kind in KINDS:
         for size in SIZES:
             got = [_meeting(chunk_of(32), call_of(kind, size), 12) for _ in range(trials)]

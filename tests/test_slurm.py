@@ -267,12 +267,17 @@ def test_usr1_warning_saves_requeues_and_resumes(cluster, tmp_path):
     env = dict(cluster["job_env"], ZEROLAB_LAUNCH="torchrun")
     fifo = tmp_path / "job.out"
     os.mkfifo(fifo)
-    slow = [f"fault.slow_save_s={SLOW_SAVE_S}", "dist.timeout_s=20"]
+    # Step 3 holds rank 0 for 8 s (a straggler, fault.slow_rank; rank 1 waits in its collective,
+    # within dist.timeout_s): the warning sent once step 2 is logged must land before training ends,
+    # and the twelve steps alone take a quarter of a second, less than a loaded machine's delay
+    # between the log line and the signal (one run beside a training loop finished first).
+    slow = [f"fault.slow_save_s={SLOW_SAVE_S}", "dist.timeout_s=20", "fault.slow_rank=0", "fault.slow_ms=8000",
+            "fault.at_step=3"]
     cmd = ["sbatch", "--wait", "--parsable", f"--output={fifo}", "--time=10", str(SBATCH), *TRAIN, *steps, *slow,
            f"run.dir={run}"]
     with submitted(cmd, env) as (sbatch, job):
         out = Output(fifo)  # attempt 1: the reading thread's open returns once the job opens its output
-        out.until("step 2/12 |")  # rank 0 logged step 2: training is under way
+        out.until("step 2/12 |")  # rank 0 logged step 2: training is under way, step 3 is held
         subprocess.run(["scancel", "--signal=USR1", "--batch", job], env=env, check=True, timeout=30)
         first = out.rest(timeout=120 + SLOW_SAVE_S)  # until the first start closes its output
         budget = re.search(r"a stop may take (\d+) s \(the job's time left\): torchrun --shutdown-timeout=(\d+)",

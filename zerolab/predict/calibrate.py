@@ -208,6 +208,19 @@ def queued_cost(fits: dict, world: int) -> float:
     return max(0.0, statistics.median(extra))
 
 
+def aligned_seconds(fn, n: int) -> float:
+    """The mean time of `n` calls of `fn` after one untimed, every rank starting together (a
+    barrier): a fixed count on every rank, as the calls may issue collectives all must join."""
+    import torch.distributed as dist
+
+    fn()
+    dist.barrier()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    return (time.perf_counter() - t0) / n
+
+
 def meeting_cost(trials: int = 9, iterations: int = 12) -> float:
     """Seconds a collective costs beyond its own time because the ranks must meet for it: every
     rank runs a chunk of compute (32 matmuls of 384 x 384, some 20 ms of one core's) and then a
@@ -225,19 +238,12 @@ def meeting_cost(trials: int = 9, iterations: int = 12) -> float:
         for _ in range(32):
             torch.mm(a, b)
 
-    def timed(fn, n: int) -> float:  # a fixed count on every rank: they must issue the same collectives
-        fn()
-        dist.barrier()
-        t0 = time.perf_counter()
-        for _ in range(n):
-            fn()
-        return (time.perf_counter() - t0) / n
     differences = []
     for _ in range(trials):
-        before = timed(chunk, iterations)
-        alone = timed(lambda: dist.all_reduce(flag), 5 * iterations)
-        both = timed(lambda: (chunk(), dist.all_reduce(flag)), iterations)
-        after = timed(chunk, iterations)
+        before = aligned_seconds(chunk, iterations)
+        alone = aligned_seconds(lambda: dist.all_reduce(flag), 5 * iterations)
+        both = aligned_seconds(lambda: (chunk(), dist.all_reduce(flag)), iterations)
+        after = aligned_seconds(chunk, iterations)
         differences.append(both - (before + after) / 2 - alone)
     return max(0.0, statistics.median(differences))
 
