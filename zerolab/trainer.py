@@ -1,8 +1,8 @@
 """The training loop: micro-batches, accumulation, step, eval, logging, checkpoints, final weights.
 
-Read it top to bottom: `StepCadence` says which steps log, evaluate and save, `Trainer.__init__`
-builds what a run needs, `train_step` is one optimizer step, `fit` the loop. What the step calls
-lives, in reading order, in: the strategy (zerolab/strategies/base.py: backward, reduce, step),
+Read it top to bottom: `Trainer.__init__` builds what a run needs (zerolab/run/cadence.py says
+which steps log, evaluate and save), `train_step` is one optimizer step, `fit` the loop. What the
+step calls lives, in reading order, in: the strategy (zerolab/strategies/base.py: backward, reduce, step),
 the step's arithmetic (zerolab/numerics.py: the global norm, unscale, clip, skip), what watches
 the loop (zerolab/run/instruments.py: the progress board, faults, the memory meter, the
 profiler), checkpoints (zerolab/checkpoint/), and what a run leaves behind
@@ -15,7 +15,7 @@ import logging
 import os
 from contextlib import nullcontext
 from functools import partial
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 
@@ -31,6 +31,7 @@ from zerolab.optim import build_optimizer
 from zerolab.optim.schedule import LRSchedule
 from zerolab.precision import Precision
 from zerolab.run import directory as rundir, record as run_record
+from zerolab.run.cadence import StepCadence
 from zerolab.run.fault import SAVING
 from zerolab.run.instruments import Instruments
 from zerolab.run.metrics import MetricsSink
@@ -41,43 +42,6 @@ from zerolab.strategies import strategy_class
 from zerolab.timing import StepClock
 
 log = logging.getLogger("zerolab")
-
-
-class StepCadence:
-    """Which steps do what: log, evaluate, save, and what a logged step measures, from the settings,
-    the step a run starts at and whether the profiler wants a step (Instruments.profiles)."""
-
-    def __init__(self, cfg: Config, start_step: int, profiles: Callable[[int], bool]):
-        self.cfg, self.start_step, self.profiles = cfg, start_step, profiles
-
-    def evals_step(self, step: int) -> bool:
-        t = self.cfg.trainer
-        return bool(t.eval_every and (step + 1) % t.eval_every == 0) or step + 1 == t.max_steps
-
-    def logs_step(self, step: int) -> bool:
-        return self._reports_step(step) or self.profiles(step)
-
-    def _reports_step(self, step: int) -> bool:
-        # An eval step is always a logged step: its eval_loss needs a record to land in, whatever
-        # trainer.log_every says (eval_every need not be a multiple of log_every).
-        t, every = self.cfg.trainer, self.cfg.logging.layer_stats_every
-        return ((step + 1) % t.log_every == 0 or step == self.start_step or self.evals_step(step)
-                or bool(every and (step + 1) % every == 0))
-
-    def saves_step(self, step: int) -> bool:
-        # Every `every` steps, and the last step too: a finished run can be continued from its end.
-        every = self.cfg.checkpoint.every
-        return bool(every) and ((step + 1) % every == 0 or step + 1 == self.cfg.trainer.max_steps)
-
-    def measure(self, step: int, logged: bool) -> Measure:
-        """What the strategy measures about the update (Strategy.step): optimizer statistics cost
-        norms and a device sync, so only on logged steps; per-tensor ratios every layer_stats_every.
-        A step logged only because it is profiled measures none: its parts are then those of the
-        steps a run does not log (most of them), which is also the step the time model predicts."""
-        every = self.cfg.logging.layer_stats_every
-        if not logged or not self._reports_step(step):
-            return Measure.NOTHING
-        return Measure.PER_TENSOR if every and (step + 1) % every == 0 else Measure.OPTIMIZER
 
 
 class Trainer:
