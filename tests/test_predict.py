@@ -303,19 +303,26 @@ def test_an_op_of_a_measured_name_costs_its_nearest_measured_rate():
 def test_the_reference_steps_time_the_kernels_of_a_training_step_and_a_sharders_bookkeeping():
     from zerolab.predict.kernels import merge_tables, reference_rows
 
-    rows, wall = reference_rows("gpt", 32, 2, 16, 16)  # (the calibration's shapes are wider: this is its structure)
+    rows, walls = reference_rows("gpt", 32, 2, 16, 16)  # (the calibration's shapes are wider: this is its structure)
     names = {r[0] for r in rows}
+    # the step's two halves, timed apart: the model's pass, then the bookkeeping and the optimizer
+    halves = [{r[0] for r in rows if r[6] == half} for half in (0, 1)]
+    assert {"native_layer_norm_backward", "_scaled_dot_product_flash_attention_for_cpu"} <= halves[0]
+    assert {"_fused_adamw_", "_foreach_lerp_", "_chunk_cat"} <= halves[1]
+    assert "_fused_adamw_" not in halves[0] and "native_layer_norm" not in halves[1]
+    assert [r[6] for r in rows] == sorted(r[6] for r in rows)  # the model's ops all come first
     model = {"mm", "addmm", "gelu", "native_layer_norm", "native_layer_norm_backward",
              "_scaled_dot_product_flash_attention_for_cpu", "_fused_adamw_"}
     sharder = {"div", "add_", "copy_", "_foreach_mul_", "_foreach_lerp_", "split_with_sizes_copy", "_chunk_cat",
                "zero_"}
     assert model | sharder <= names, (model | sharder) - names
-    assert all(r[3] >= 1 and r[5] >= 0 for r in rows) and wall > 0
+    assert all(r[3] >= 1 and r[5] >= 0 for r in rows) and len(walls) == 2 and min(walls) > 0
     assert all(len(r[4]) == 4 for r in rows if r[0] in ("mm", "addmm"))  # matmuls keep their dims
-    a = {"kernels": {"mm": [[[1, 2, 3, 4], 48, 1.0]]}, "host_s_per_kernel": 1e-6}
-    b = {"kernels": {"mm": [[[1, 2, 3, 4], 48, 3.0]], "add": [[[8, 1], 8, 2.0]]}, "host_s_per_kernel": 3e-6}
+    a = {"kernels": {"mm": [[[1, 2, 3, 4], 48, 1.0]]}, "host_s_per_kernel": 1e-6, "host_s_per_kernel_step": 4e-6}
+    b = {"kernels": {"mm": [[[1, 2, 3, 4], 48, 3.0]], "add": [[[8, 1], 8, 2.0]]}, "host_s_per_kernel": 3e-6,
+         "host_s_per_kernel_step": 8e-6}
     assert merge_tables([a, b]) == {"kernels": {"mm": [[[1, 2, 3, 4], 48, 2.0]], "add": [[[8, 1], 8, 2.0]]},
-                                    "host_s_per_kernel": 2e-6}
+                                    "host_s_per_kernel": 2e-6, "host_s_per_kernel_step": 6e-6}
 
 
 def test_the_cpu_entry_is_this_machines_calibration(tmp_path, monkeypatch):
@@ -342,4 +349,13 @@ def test_the_cpu_entry_is_this_machines_calibration(tmp_path, monkeypatch):
     path.write_text(json.dumps(tabled))
     cpu = device("cpu", 2)
     assert cpu.queued_s == 3e-4 and op_seconds(op("add", nbytes=4e8, kernels=1), cpu) == 0.02 + 2e-6
+    # (a calibration without the step's own figure prices the optimizer's kernels alike)
+    assert math.isclose(op_seconds(op("add", nbytes=4e8, kernels=3, phase="optimizer"), cpu), 0.02 + 3 * 2e-6)
+    # the host time per kernel of the half of the step an op runs in: the model's pass, or after it
+    for c in tabled["ranks"].values():
+        c["host_s_per_kernel_step"] = 5e-7
+    path.write_text(json.dumps(tabled))
+    cpu = device("cpu", 2)
+    assert op_seconds(op("add", nbytes=4e8, kernels=1, phase="backward"), cpu) == 0.02 + 2e-6
+    assert op_seconds(op("add", nbytes=4e8, kernels=1, phase="optimizer"), cpu) == 0.02 + 5e-7
     assert op_seconds(op("sub", nbytes=4e8, kernels=1), cpu) == 4e8 / 10e9 + 1e-5  # not measured: the roofline

@@ -317,3 +317,35 @@ def test_predict_memory_declares_every_keyword_its_caller_passes():
     params = inspect.signature(Strategy.predict_memory).parameters
     declared = {n for n, p in params.items() if p.kind == p.KEYWORD_ONLY}
     assert {k.arg for k in call.keywords} == declared
+
+
+def test_fsdp_counts_the_gradients_memory_on_measured_steps_only(tmp_path, monkeypatch):
+    """FSDP2 frees its gradients inside the step, so memory() keeps what a count found before the
+    update. The count walks every storage: it runs on the first step and on steps that measure,
+    not on the steps a run does not log; memory() after those still reports the gradients."""
+    from zerolab import dist as zdist
+    from zerolab.numerics import Measure
+    from zerolab.trainer import Trainer
+
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(var, raising=False)
+    cfg = compose(["strategy=fsdp", "model=gpt_tiny", *TINY, "trainer.log_every=100", "trainer.max_steps=100",
+                   f"data.path={fixed_corpus()}", f"run.dir={tmp_path / 'run'}"])
+    ctx = zdist.init(cfg.dist)
+    try:
+        trainer = Trainer(cfg, ctx)
+        strategy, counted = trainer.strategy, []
+        measure = strategy._measure
+        monkeypatch.setattr(strategy, "_measure", lambda: counted.append(1) or measure())
+        grads = sum(q.numel() * 4 for q in strategy.params)  # fp32 gradient shards of one rank: every element
+        trainer.train_step(0)  # the first step counts
+        first = strategy.memory()
+        counts = len(counted)
+        for step in (1, 2):
+            assert not trainer.logs_step(step) and trainer.measure(step, False) is Measure.NOTHING
+            trainer.train_step(step)
+        assert len(counted) == counts, "an unlogged step walked the storages"
+        assert strategy.memory()["grads"] == first["grads"] == grads
+        trainer.close()
+    finally:
+        zdist.shutdown(ctx)

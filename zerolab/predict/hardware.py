@@ -49,6 +49,7 @@ class Device:
     queued_s: float = 0.0  # cpu: what a collective adds behind others in flight (calibrate.queued_cost)
     kernel_table: dict = field(default_factory=dict)  # cpu: op name -> its measured ops (zerolab.predict.kernels)
     host_s_per_kernel: float = 0.0  # cpu: host time beyond the measured ops, per kernel (kernels.measure_table)
+    host_s_per_kernel_step: float = 0.0  # cpu: the same after the backward alone (prices the optimizer phase)
 
     def peak(self, dtype: str) -> float:
         return self.flops.get(dtype) or self.flops["fp32"]
@@ -141,6 +142,7 @@ def cpu_device(ranks: int, path: str = "") -> Device:
                                     if "fused_adamw_bandwidth" in c},  # (an older calibration file lacks it)
                   meeting_s=c.get("meeting_s", 0.0), queued_s=c.get("queued_s", 0.0), kernel_table=c.get("kernels", {}),
                   host_s_per_kernel=c.get("host_s_per_kernel", 0.0),  # (an older calibration file lacks both)
+                  host_s_per_kernel_step=c.get("host_s_per_kernel_step", c.get("host_s_per_kernel", 0.0)),
                   overlap_rate=overlap_rate(int(cal.get("cores") or os.cpu_count() or 1), ranks))
 
 

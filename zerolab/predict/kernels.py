@@ -20,8 +20,15 @@ fused AdamW over flat pieces, the buffers zeroed.
 Each op is timed as it is dispatched (a TorchDispatchMode around its kernel call, median of
 `REPEATS` steps) and kept under its name with its shape: a matmul's or attention's dims
 (ops.gemm_dims), any other op's bytes and kernel count (zerolab.predict.ops counts both).
-`host_s_per_kernel` is what a step took beyond its timed ops (Python modules, autograd, views), per
-kernel, the median over the reference steps. `table_seconds` prices an op at the rate (FLOPs, or
+What a step took beyond its timed ops, per kernel (each the median over the reference steps):
+`host_s_per_kernel` over the whole step (Python modules, autograd, views), and
+`host_s_per_kernel_step` over what follows the backward alone (the bookkeeping and the optimizer:
+loops over tensors under no_grad, a foreach op's kernels dispatched from C++), which prices the
+ops of a recorded step's optimizer phase. The second is several times smaller (bench/RESULTS.md):
+the whole step's figure priced the optimizer of a strategy with hundreds of small kernels (DDP's,
+FSDP2's) far too long. The model's pass alone is not given its own figure: what it takes beyond
+its ops grows with the tensors' sizes (9-290 us a kernel across the reference shapes), so per
+kernel it is no figure a prediction could carry to another model. `table_seconds` prices an op at the rate (FLOPs, or
 bytes where it has no FLOPs, per second) of the measured ops of its name nearest to it in
 log-shape (inverse-distance weighted, the 3 nearest), or None for a name the reference steps never
 ran (the roofline prices it).
@@ -42,6 +49,8 @@ import torch.nn.functional as F
 SHAPES = (("gpt", 96, 8, 128, 32), ("gpt", 192, 4, 256, 64), ("gpt", 384, 8, 128, 64), ("gpt", 512, 2, 512, 128),
           ("llama", 160, 4, 256, 32), ("llama", 320, 8, 128, 64))
 VOCAB, LAYERS, REPEATS, NEAREST = 512, 2, 5, 3
+HOST_KEYS = ("host_s_per_kernel", "host_s_per_kernel_step")  # the whole step, what follows its backward
+STEP_PHASES = ("optimizer",)  # the recorded phases priced at host_s_per_kernel_step
 
 
 class _Block(nn.Module):
@@ -121,9 +130,11 @@ def _timed(func, args, kwargs, rows: list) -> object:
     return out
 
 
-def reference_rows(style: str, d: int, sequences: int, tokens: int, head_dim: int) -> tuple[list, float]:
+def reference_rows(style: str, d: int, sequences: int, tokens: int, head_dim: int) -> tuple[list, list]:
     """One reference step's ops, each (name, FLOPs, bytes, kernels, dims, median seconds over
-    REPEATS timed steps), and the step's median wall time untimed."""
+    REPEATS timed steps, half), and the median wall time untimed of each half of the step: [the
+    model's pass (forward and backward: half 0), what follows it (the bookkeeping and the
+    optimizer: half 1)]."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     torch.manual_seed(0)
@@ -136,8 +147,9 @@ def reference_rows(style: str, d: int, sequences: int, tokens: int, head_dim: in
     pieces_opt = torch.optim.AdamW([nn.Parameter(torch.zeros_like(shard)) for _ in range(2)], fused=True)
     idx, target = torch.randint(0, VOCAB, (sequences, tokens)), torch.randint(0, VOCAB, (sequences, tokens))
 
-    def step() -> None:
+    def step(between=lambda: None) -> None:
         F.cross_entropy(model(idx).view(-1, VOCAB), target.view(-1)).backward()
+        between()
         bookkeeping(params, flat, shard, composed, pieces_opt)
         optimizer.step()
         optimizer.zero_grad(set_to_none=False)
@@ -147,37 +159,39 @@ def reference_rows(style: str, d: int, sequences: int, tokens: int, head_dim: in
             return _timed(func, args, kwargs or {}, self.rows)
 
     step()  # optimizer states exist from here
-    walls, runs = [], []
+    walls, runs, cut = [], [], []
     for _ in range(REPEATS):  # untimed and timed steps in turns: a slower moment of the machine hits both
-        t0 = time.perf_counter()
-        step()
-        walls.append(time.perf_counter() - t0)
+        t = [time.perf_counter()]
+        step(lambda: t.append(time.perf_counter()))
+        t.append(time.perf_counter())
+        walls.append((t[1] - t[0], t[2] - t[1]))
         mode = Timed()
         mode.rows = []
         with mode:
-            step()
+            step(lambda: cut.append(len(mode.rows)))
         runs.append(mode.rows)
-    rows = [(*r[:5], statistics.median(run[i][5] for run in runs)) for i, r in enumerate(runs[0])]
-    return rows, statistics.median(walls)
+    rows = [(*r[:5], statistics.median(run[i][5] for run in runs), int(i >= cut[0])) for i, r in enumerate(runs[0])]
+    return rows, [statistics.median(w[half] for w in walls) for half in (0, 1)]
 
 
 def measure_table() -> dict:
-    """{"kernels": name -> [[dims or [bytes, kernels], work, seconds], ...], "host_s_per_kernel"}:
-    every reference step's ops, each distinct (name, shape) once (its median over the steps that
-    ran it), work = FLOPs where the op has them, else bytes."""
+    """{"kernels": name -> [[dims or [bytes, kernels], work, seconds], ...], and HOST_KEYS' two
+    figures (module docstring)}: every reference step's ops, each distinct (name, shape) once (its
+    median over the steps that ran it), work = FLOPs where the op has them, else bytes."""
     points: dict = defaultdict(list)
-    beyond = []
+    beyond: list = [[], []]  # the whole step, what follows its backward (HOST_KEYS)
     for shape in SHAPES:
-        rows, wall = reference_rows(*shape)
-        beyond.append(max(0.0, wall - sum(r[5] for r in rows)) / sum(r[3] for r in rows))
-        for name, flops, moved, k, dims, seconds in rows:
+        rows, walls = reference_rows(*shape)
+        for k, (wall, mine) in enumerate([(sum(walls), rows), (walls[1], [r for r in rows if r[6] == 1])]):
+            beyond[k].append(max(0.0, wall - sum(r[5] for r in mine)) / max(1, sum(r[3] for r in mine)))
+        for name, flops, moved, k, dims, seconds, _ in rows:
             key = list(dims) if dims else [moved, k]
             points[(name, tuple(key), flops or moved)].append(seconds)
     table: dict = defaultdict(list)
     for (name, key, work), seconds in points.items():
         table[name].append([list(key), work, statistics.median(seconds)])
     # the median over the steps: a difference of two timed totals, so one disturbed step moves its own only
-    return {"kernels": dict(table), "host_s_per_kernel": statistics.median(beyond)}
+    return {"kernels": dict(table), **{key: statistics.median(b) for key, b in zip(HOST_KEYS, beyond)}}
 
 
 def merge_tables(tables: list[dict]) -> dict:
@@ -189,7 +203,7 @@ def merge_tables(tables: list[dict]) -> dict:
                 merged[name][(tuple(key), work)].append(seconds)
     return {"kernels": {name: [[list(k), w, statistics.median(s)] for (k, w), s in by.items()]
                         for name, by in merged.items()},
-            "host_s_per_kernel": statistics.median(t["host_s_per_kernel"] for t in tables)}
+            **{key: statistics.median(t[key] for t in tables) for key in HOST_KEYS if key in tables[0]}}
 
 
 def table_seconds(name: str, flops: float, nbytes: int, kernels: int, dims: tuple, table: dict):

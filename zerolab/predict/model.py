@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, field
 
 from zerolab.predict.gpu import KERNELS, kernel_seconds
 from zerolab.predict.hardware import Device
-from zerolab.predict.kernels import table_seconds
+from zerolab.predict.kernels import STEP_PHASES, table_seconds
 from zerolab.predict.record import HOST, Op, StepRecord
 from zerolab.predict.timeline import replay
 from zerolab.predict.topology import Network
@@ -57,7 +57,8 @@ def op_seconds(op: Op, dev: Device) -> float:
     measured = table_seconds(op.name, op.flops, op.bytes, op.kernels, op.dims, dev.kernel_table) \
         if dev.kernel_table else None
     if measured is not None:  # this CPU's own kernels of that name, nearest in shape (zerolab.predict.kernels)
-        return measured + dev.host_s_per_kernel * op.kernels
+        host = dev.host_s_per_kernel_step if op.phase in STEP_PHASES else dev.host_s_per_kernel
+        return measured + host * op.kernels
     a = dev.achievable
     compute = op.flops / (dev.kernel_flops.get(op.name) or dev.peak(op.dtype) * a) if op.flops else 0.0
     bandwidth = dev.kernel_bandwidth.get(op.name) or dev.memory_bandwidth * a
@@ -116,7 +117,8 @@ def assumptions(dev: Device, topo: Network, dtype: str) -> list[str]:
            rates,
            (f"each op at the rate of this CPU's measured ops of its name nearest in shape ({len(dev.kernel_table)} "
             f"kinds, from reference training steps: zerolab/predict/kernels.py) + "
-            f"{dev.host_s_per_kernel * 1e6:.1f} us of host per kernel; any other op: " if dev.kernel_table else
+            f"{dev.host_s_per_kernel * 1e6:.1f} us of host per kernel ({dev.host_s_per_kernel_step * 1e6:.1f} us "
+            f"in the optimizer step); any other op: " if dev.kernel_table else
             "each op: ")
            + "max(FLOPs / its kind's FLOP/s, bytes / bandwidth)"
            + (f" + {dev.op_overhead_s * 1e6:.1f} us per kernel" if dev.op_overhead_s else "")

@@ -91,7 +91,11 @@ def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
 
 def larger_of(before: dict[str, int], now: dict[str, int]) -> dict[str, int]:
     """Bytes by category, the larger of two moments: for strategies that free gradients inside
-    their step (FSDP2, DeepSpeed), what existed just before the last update against now."""
+    their step (FSDP2, DeepSpeed), what existed just before the last update against now. They
+    count "before" on a step that measures (a logged one) and on their first, not on every step:
+    the count walks every tensor's storage (~2.4 ms a step on gpt_mid under FSDP2 on this CPU,
+    bench/RESULTS.md), and the gradients it finds are the same sizes each step, so a step logged
+    only because it is profiled reads the earlier count."""
     return {k: max(v, before.get(k, 0)) for k, v in now.items()}
 
 

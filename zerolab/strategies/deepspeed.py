@@ -305,7 +305,8 @@ class DeepSpeedStrategy(DeepSpeedCheckpointing, Strategy):
     def step(self, lr: float, measure: Measure = Measure.NOTHING) -> StepInfo:
         """DeepSpeed's engine steps; `measure` is not measured (the optimizer is DeepSpeed's)."""
         set_lr(self.optimizer, lr)
-        self._step_mem = self._measure()  # gradients exist now; DeepSpeed frees some after the step
+        if measure or not self._step_mem:  # gradients exist now; DeepSpeed frees some after the step (larger_of)
+            self._step_mem = self._measure()
         skipped_before = self.engine.skipped_steps
         self.engine.step()
         self.step_count += 1

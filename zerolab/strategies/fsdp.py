@@ -151,7 +151,8 @@ class FSDPStrategy(Strategy):
     def step(self, lr: float, measure: Measure = Measure.NOTHING) -> StepInfo:
         set_lr(self.optimizer, lr)
         grads = [_local(q.grad) for q in self.params if q.grad is not None]
-        self._step_mem = self._measure()
+        if measure or not self._step_mem:  # (larger_of: why only then)
+            self._step_mem = self._measure()
         info = self._update(grads, measure)
         self.optimizer.zero_grad(set_to_none=True)
         return info
