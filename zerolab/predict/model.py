@@ -26,7 +26,9 @@ NOT_MODELLED = ("not modelled: the host's own time on a GPU (it is assumed to ru
                 "launch gaps of small kernels cost is inside the fitted memory share), on a GPU, compute slowed by "
                 "communication running beside it, kernels fused or tuned differently from what the dry run "
                 "dispatched (CUDA's attention, dropout and layer norm on a GPU; the CPU's other kernels), a software "
-                "stack older or newer than the measurements behind the rates, data loading")
+                "stack older or newer than the measurements behind the rates, data loading, on a CPU the "
+                "Python that runs inside the autograd engine outside the strategy's hooks (FSDP2's "
+                "post-backward: zerolab.predict.sections)")
 
 
 @dataclass
