@@ -157,6 +157,7 @@ def clone(tmp_path_factory) -> Path:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1500)  # the page's nine plans as written: ~150 s quiet, 470-510 beside a CPU-heavy job
 def test_each_recipe_is_what_its_plan_says(clone):
     rows = recipe_rows()
     env = base_env(HF_HUB_OFFLINE="1", PATH=f"{ROOT / '.venv' / 'bin'}:{base_env()['PATH']}")

@@ -60,6 +60,7 @@ def test_a_profiled_run_is_predicted_from_its_own_directory(tmp_path, monkeypatc
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1500)  # the real calibration and a run: ~210 s quiet, 600 and more beside a CPU-heavy job
 def test_the_default_report_calibrates_a_fresh_machine_once(tmp_path, monkeypatch):
     """`compare`'s default (auto) on a machine without a calibration measures it (the real
     calibration: 1, 2 and 3 ranks, about a minute and a half), writes it where `--hardware cpu` reads it, says

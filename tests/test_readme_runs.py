@@ -68,6 +68,7 @@ def table_row(heading: str, first_cell: str) -> list[str]:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1500)  # README's 7B dry runs and plans as written: ~225 s quiet, 600+ beside a heavy job
 def test_will_it_fit_and_will_it_be_fast_run_as_written(clone):
     fit, fast = readme_blocks()["Will it fit?"], readme_blocks()["Will it be fast?"]
     offload = [line for line in fit if "--host-mem" in line]

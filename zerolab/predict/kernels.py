@@ -28,10 +28,11 @@ ops of a recorded step's optimizer phase. The second is several times smaller (b
 the whole step's figure priced the optimizer of a strategy with hundreds of small kernels (DDP's,
 FSDP2's) far too long. The model's pass alone is not given its own figure: what it takes beyond
 its ops grows with the tensors' sizes (9-290 us a kernel across the reference shapes), so per
-kernel it is no figure a prediction could carry to another model. `table_seconds` prices an op at the rate (FLOPs, or
-bytes where it has no FLOPs, per second) of the measured ops of its name nearest to it in
-log-shape (inverse-distance weighted, the 3 nearest), or None for a name the reference steps never
-ran (the roofline prices it).
+kernel it is no figure a prediction could carry to another model.
+
+`table_seconds` prices an op at the rate (FLOPs, or bytes where it has no FLOPs, per second) of the
+measured ops of its name nearest to it in log-shape (inverse-distance weighted, the 3 nearest), or
+None for a name the reference steps never ran (the roofline prices it).
 """
 from __future__ import annotations
 
