@@ -17,8 +17,9 @@ so each figure is what one rank gets while the others work beside it. Per n:
 - op_overhead_s: what one kernel costs beyond its roofline: a tiny MLP's forward, backward and
   AdamW step (tensors of a few elements) timed, divided by the kernels zerolab.predict.ops counts
   in it (module calls, autograd and the dispatcher included);
-- kernels and host_s_per_kernel: every op of reference training steps timed as dispatched, by
-  name and shape, and the host time beyond them per kernel (zerolab.predict.kernels): what prices
+- kernels, host_s_per_kernel and host_s_per_kernel_step: every op of reference training steps
+  timed as dispatched, by name and shape, and the host time beyond them per kernel, over the whole
+  step and over what follows its backward (zerolab.predict.kernels): what prices
   an op where its name was measured (matmuls by shape, GELU and the norms at their own rates,
   elementwise ops and copies by their size), the figures above where it was not;
 - meeting_s (n >= 2): what each collective adds because the ranks must meet for it (meeting_cost:
