@@ -349,7 +349,7 @@ def cli_main(argv: list[str]) -> int:
               f"fused AdamW {c['fused_adamw_bandwidth'] / 1e9:.1f} GB/s, "
               f"{c['op_overhead_s'] * 1e6:.1f} us per kernel, {len(c['kernels'])} kinds of kernel timed "
               f"(+{c['host_s_per_kernel'] * 1e6:.1f} us of host each, "
-              f"{c.get('host_s_per_kernel_step', c['host_s_per_kernel']) * 1e6:.1f} in the optimizer step)"
+              f"{c['host_s_per_kernel_step'] * 1e6:.1f} in the optimizer step)"
               + (f", {c['meeting_s'] * 1e3:.2f} ms per meeting, +{c['queued_s'] * 1e3:.2f} ms per queued "
                  "collective" if "meeting_s" in c else ""))
     for kind, by_size in result["ranks"][str(counts[-1])]["gloo"].items():

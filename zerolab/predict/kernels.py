@@ -183,8 +183,8 @@ def measure_table() -> dict:
     beyond: list = [[], []]  # the whole step, what follows its backward (HOST_KEYS)
     for shape in SHAPES:
         rows, walls = reference_rows(*shape)
-        for k, (wall, mine) in enumerate([(sum(walls), rows), (walls[1], [r for r in rows if r[6] == 1])]):
-            beyond[k].append(max(0.0, wall - sum(r[5] for r in mine)) / max(1, sum(r[3] for r in mine)))
+        for which, (wall, mine) in enumerate([(sum(walls), rows), (walls[1], [r for r in rows if r[6] == 1])]):
+            beyond[which].append(max(0.0, wall - sum(r[5] for r in mine)) / max(1, sum(r[3] for r in mine)))
         for name, flops, moved, k, dims, seconds, _ in rows:
             key = list(dims) if dims else [moved, k]
             points[(name, tuple(key), flops or moved)].append(seconds)
